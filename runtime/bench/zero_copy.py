@@ -30,10 +30,11 @@ def rss_bytes() -> int:
 def run(n: int = 128, reps: int = 100) -> dict:
     import mlx.core as mx
 
-    from runtime.guest import GuestEngine
+    from runtime.guest import GuestEngine, GuestLimits
 
     engine = GuestEngine()
-    guest = engine.instantiate(engine.compile(GUESTS_DIR / "gemm.wasm"), "gemm")
+    guest = engine.instantiate(engine.compile(GUESTS_DIR / "gemm.wasm"), "gemm",
+                               GuestLimits(memory_cap=32 << 20))
     try:
         # 1. pointer identity: wasmtime's memory base is the MLX buffer's address
         identity = guest.base_address() == guest.arena.ptr == int(

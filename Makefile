@@ -23,5 +23,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+guests: $(STAMP)
+	$(BIN)/python -m actor_guests.build
+
 clean:
 	rm -rf $(VENV) .pytest_cache

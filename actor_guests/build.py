@@ -16,6 +16,7 @@ HERE = Path(__file__).resolve().parent
 GUESTS = {
     "gemm": (32 << 20, 64 << 10),
     "chat": (4 << 20, 64 << 10),
+    "digits": (4 << 20, 64 << 10),
 }
 
 

@@ -15,7 +15,7 @@ static float    cand_vals[MAX_CAND];
 static int32_t  input[MAX_INPUT];
 static uint8_t  scratch[MAX_INPUT * 4 + 4096];
 
-static kv_sampling cfg = {0.0f, 1.0f, 0, 256, 0, 0, {0}, {0}};
+static kv_sampling cfg = {0.0f, 1.0f, 0, 256, 0, 0, {0}, {0}, 0};
 static char     stops[4][64];
 static uint32_t stop_len[4];
 static kv_model model;
@@ -175,7 +175,7 @@ KV_EXPORT(kvferry_chat_step) int32_t chat_step(void) {
         return KV_STOP_MAX_TOKENS;  /* nothing to run: the turn is over */
     }
     int32_t t = sample();
-    if (is_eos(t)) return KV_STOP_EOS;
+    if (is_eos(t) && !(cfg.flags & KV_FLAG_IGNORE_EOS)) return KV_STOP_EOS;
     generated++;
     pending = t;
     if (stop_string_seen(t)) stop_hit = 1;

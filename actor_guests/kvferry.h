@@ -93,6 +93,9 @@ typedef struct {
     uint32_t n_stop;        /* stop strings, up to 4 */
     uint32_t stop_offset[4];
     uint32_t stop_len[4];
-} kv_sampling;
+    uint32_t flags;         /* KV_FLAG_* */
+} kv_sampling;              /* 64 bytes */
+
+enum { KV_FLAG_IGNORE_EOS = 1 };  /* like llama.cpp --ignore-eos (benchmarks) */
 
 #endif

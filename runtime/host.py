@@ -1,0 +1,135 @@
+"""A model host: one loaded model, one guest engine, many sessions.
+
+This is the in-process core that a Ray ``SessionHost`` actor wraps. Creating a
+session never reloads weights; each session reports its own KV and arena bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from actor_guests import GUESTS_DIR
+
+from .errors import ConfigError
+from .guest import GuestEngine, GuestError, GuestModule
+from .models import LoadedModel, load
+from .session import SamplingParams, Session, SessionError, SessionOptions
+
+DEFAULT_GUEST = GUESTS_DIR / "chat.wasm"
+
+
+class UnknownSessionError(SessionError):
+    pass
+
+
+def apply_placement(model, attn_cpu: float) -> dict:
+    """Seed 003's hybrid placement: attention of the first ``attn_cpu`` fraction of
+    layers on the CPU stream, everything else on the GPU stream.
+
+    On a machine without a GPU the policy is accepted and reported as a no-op.
+    """
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    if not 0.0 <= attn_cpu <= 1.0:
+        raise ConfigError(f"--attn-cpu {attn_cpu}: must be a fraction in [0, 1]")
+    layers = model.layers
+    n = round(attn_cpu * len(layers))
+    has_gpu = mx.default_device() == mx.gpu
+    report = {"attn_cpu": attn_cpu, "layers": len(layers), "attention_layers_on_cpu": n,
+              "gpu": has_gpu, "active": bool(has_gpu and n)}
+    if not has_gpu:
+        report["note"] = "no GPU on this machine: everything runs on the CPU, placement is a no-op"
+        return report
+
+    class OnStream(nn.Module):
+        def __init__(self, inner, stream):
+            super().__init__()
+            self.inner = inner
+            self._stream = stream
+
+        def __call__(self, *args, **kwargs):
+            with mx.stream(self._stream):
+                return self.inner(*args, **kwargs)
+
+    cpu = mx.default_stream(mx.cpu)
+    for layer in layers[:n]:
+        layer.self_attn = OnStream(layer.self_attn, cpu)
+    return report
+
+
+class ModelHost:
+    """Hosts sessions on one model (loaded once)."""
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", attn_cpu: float = 0.0,
+                 lm: LoadedModel | None = None, progress: bool = True):
+        self.lm = lm or load(model, dtype=dtype, progress=progress)
+        self.placement = apply_placement(self.lm.model, attn_cpu)
+        self.engine = GuestEngine()
+        self.sessions: dict[str, Session] = {}
+        self._modules: dict[str, GuestModule] = {}
+        self._token_bytes: dict[int, bytes] = {}
+        self.lock = threading.RLock()
+
+    def guest_module(self, guest: str | Path | None) -> GuestModule:
+        path = str(guest or DEFAULT_GUEST)
+        gm = self._modules.get(path)
+        if gm is None:
+            gm = self.engine.compile(path)
+            if gm.kind != "chat":
+                raise GuestError(f"{gm.label}: not a chat guest (it must export kvferry_buffer, "
+                                 "kvferry_chat_config, kvferry_chat_begin, kvferry_chat_step)")
+            self._modules[path] = gm
+        return gm
+
+    def token_bytes(self, token: int) -> bytes:
+        """UTF-8 bytes of one token (byte-level BPE tokens decode to raw bytes)."""
+        b = self._token_bytes.get(token)
+        if b is None:
+            tok = self.lm.tokenizer
+            piece = tok.convert_ids_to_tokens(int(token))
+            try:
+                from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+                dec = {v: k for k, v in bytes_to_unicode().items()}
+                b = bytes(dec[c] for c in piece) if piece and all(c in dec for c in piece) else None
+            except ImportError:
+                b = None
+            if b is None:
+                b = tok.decode([int(token)]).encode()
+            self._token_bytes[token] = b
+        return b
+
+    def create_session(self, guest: str | Path | None = None, sampling: SamplingParams | None = None,
+                       options: SessionOptions | None = None, session_id: str | None = None) -> Session:
+        with self.lock:
+            if session_id in self.sessions:
+                raise SessionError(f"session {session_id} already exists on this host")
+            s = Session(self, guest, sampling or SamplingParams(), options or SessionOptions(), session_id)
+            self.sessions[s.id] = s
+            return s
+
+    def get(self, session_id: str) -> Session:
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise UnknownSessionError(f"unknown session '{session_id}'") from None
+
+    def close_session(self, session_id: str) -> None:
+        with self.lock:
+            self.get(session_id).close()
+            del self.sessions[session_id]
+
+    def memory(self) -> dict[str, Any]:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        weights = sum(v.nbytes for _, v in tree_flatten(self.lm.model.parameters()))
+        return {"weights_bytes": int(weights), "mlx_active_bytes": int(mx.get_active_memory()),
+                "sessions": {sid: s.memory() for sid, s in self.sessions.items()}}
+
+    def close(self) -> None:
+        for sid in list(self.sessions):
+            self.close_session(sid)
+        self.engine.close()

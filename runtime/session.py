@@ -1,0 +1,383 @@
+"""A conversation: a Wasm guest (control plane) driving a model in MLX (compute).
+
+One :class:`Session` = a chat guest instance + its KV cache (mlx-lm cache
+objects) + the token history + the messages. The guest decides everything that
+is said: per step it asks the host to run the model over what is pending
+(``kv_prefill``/``kv_decode``), reads the logits from its own memory, samples
+with its own seeded PRNG and applies stop rules. The host streams the tokens it
+returns and enforces hard limits (max tokens, context, deadline).
+
+Between two steps the whole conversation is the KV cache, the history and the
+guest's memory: that is where checkpoints and migrations cut.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+
+from .errors import ConfigError, KvferryError
+
+if TYPE_CHECKING:
+    from .host import ModelHost
+
+KV_BITS = (2, 3, 4, 5, 6, 8)
+STOP_CODES = {-1: "stop", -2: "stop", -3: "length"}
+
+
+class SessionError(KvferryError):
+    """A session cannot continue (bad guest output, context exhausted, …)."""
+
+
+class PromptTooLongError(SessionError):
+    pass
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not (self.temperature >= 0):
+            raise ConfigError(f"--temp {self.temperature}: must be >= 0")
+        if not (0 < self.top_p <= 1):
+            raise ConfigError(f"--top-p {self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k {self.top_k}: must be >= 0")
+        if self.max_tokens < 1:
+            raise ConfigError(f"--max-tokens {self.max_tokens}: must be >= 1")
+        if not 0 <= self.seed < 2**64:
+            raise ConfigError(f"--seed {self.seed}: must be in 0..2^64-1")
+        if len(self.stop) > 4:
+            raise ConfigError(f"{len(self.stop)} stop strings: at most 4")
+        for s in self.stop:
+            if not 1 <= len(s.encode()) <= 64:
+                raise ConfigError(f"stop string {s!r}: must be 1..64 bytes")
+
+
+@dataclass
+class SessionOptions:
+    ctx: int | None = None  # maximum context (RotatingKVCache); None: the model's
+    prefill_step: int = 512  # prompt chunk size, like llama.cpp -b
+    kv_bits: int | None = None  # QuantizedKVCache bits
+    kv_group_size: int = 64
+    deadline_ms: float = 5000.0  # guest time per step
+    memory_cap: int = 16 << 20  # guest arena cap
+
+    def validate(self, model_context: int) -> None:
+        if self.ctx is not None and not 16 <= self.ctx <= model_context:
+            raise ConfigError(f"--ctx {self.ctx}: must be in 16..{model_context} (the model's context)")
+        if self.prefill_step < 1:
+            raise ConfigError(f"--prefill-step {self.prefill_step}: must be >= 1")
+        if self.kv_bits is not None and self.kv_bits not in KV_BITS:
+            raise ConfigError(f"--kv-bits {self.kv_bits}: choose from {', '.join(map(str, KV_BITS))}")
+        if self.kv_bits is not None and self.ctx is not None:
+            raise ConfigError("--kv-bits cannot be combined with --ctx: mlx-lm has no quantized "
+                              "rotating KV cache")
+        if self.kv_group_size not in (32, 64, 128):
+            raise ConfigError(f"kv group size {self.kv_group_size}: choose from 32, 64, 128")
+        if self.deadline_ms <= 0:
+            raise ConfigError(f"deadline {self.deadline_ms} ms: must be > 0")
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    text: str  # new text to show (may be empty while a stop string is possible)
+    index: int
+    finish_reason: str | None = None  # set on the turn's last event: stop | length
+
+
+@dataclass
+class TurnStats:
+    prompt_tokens: int = 0  # tokens prefilled this turn (the new ones)
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    finish_reason: str | None = None
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+
+
+class _TextStream:
+    """Streaming detokenization that holds back a possible stop-string prefix."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.det = tokenizer.detokenizer
+        self.det.reset()
+        self.stops = stops
+        self.emitted = 0
+
+    def _full(self) -> str:
+        return self.det.text
+
+    def add(self, token: int) -> str:
+        self.det.add_token(token)
+        text = self._full()
+        safe = len(text)
+        for s in self.stops:  # hold back a stop string and any suffix that could start one
+            if (at := text.find(s, max(0, self.emitted - len(s)))) >= 0:
+                safe = min(safe, at)
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    safe = min(safe, len(text) - k)
+                    break
+        out = text[self.emitted:safe]
+        self.emitted = max(self.emitted, safe)
+        return out
+
+    def finish(self, stopped_by_string: bool) -> str:
+        self.det.finalize()
+        text = self._full()
+        if stopped_by_string:
+            cut = min((text.find(s) for s in self.stops if s in text), default=len(text))
+            text = text[:cut]
+        out = text[self.emitted:] if len(text) > self.emitted else ""
+        self.emitted = len(text)
+        self.final_text = text
+        return out
+
+
+_ids = itertools.count(1)
+
+
+class Session:
+    """One conversation. Create through :meth:`runtime.host.ModelHost.create_session`."""
+
+    def __init__(self, host: "ModelHost", guest_path: str | Path | None,
+                 sampling: SamplingParams, options: SessionOptions, session_id: str | None = None):
+        from .guest import GuestLimits
+
+        self.host = host
+        self.lm = host.lm
+        self.id = session_id or uuid.uuid4().hex[:12]
+        self.sampling, self.options = sampling, options
+        context = int(self.lm.config.get("max_position_embeddings") or 4096)
+        options.validate(context)
+        sampling.validate()
+        self.context = options.ctx or context
+        self.vocab_size = int(self.lm.config["vocab_size"])
+        self.eos = sorted(self.lm.eos_token_ids)
+        module = host.guest_module(guest_path)
+        self.guest = host.engine.instantiate(
+            module, f"{Path(module.label).stem}#{self.id}",
+            GuestLimits(memory_cap=options.memory_cap, deadline_ms=options.deadline_ms))
+        self.guest.model = self  # the ModelBinding the ABI's model functions call
+        self.cache = self._make_cache()
+        self.history: list[int] = []  # tokens in the KV cache, in order
+        self.messages: list[dict] = []
+        self._logits = None
+        self.last = TurnStats()
+        self.closed = False
+        self.configure(sampling)
+
+    # -- construction ----------------------------------------------------------
+    def _make_cache(self) -> list:
+        from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+        n = len(self.lm.model.layers)
+        o = self.options
+        if o.kv_bits is not None:
+            return [QuantizedKVCache(group_size=o.kv_group_size, bits=o.kv_bits) for _ in range(n)]
+        if o.ctx is not None:
+            return [RotatingKVCache(max_size=o.ctx, keep=4) for _ in range(n)]
+        return [KVCache() for _ in range(n)]
+
+    def configure(self, sampling: SamplingParams) -> None:
+        """Send sampling parameters to the guest (kvferry_chat_config)."""
+        sampling.validate()
+        stops = [s.encode() for s in sampling.stop]
+        ptr = self._buffer(64 + sum(len(s) for s in stops))
+        offs, lens, at = [], [], ptr + 64
+        for s in stops:
+            self.guest.write(at, s)
+            offs.append(at)
+            lens.append(len(s))
+            at += len(s)
+        offs += [0] * (4 - len(offs))
+        lens += [0] * (4 - len(lens))
+        flags = 1 if sampling.ignore_eos else 0
+        cfg = struct.pack("<ffiiQI4I4II", sampling.temperature, sampling.top_p, sampling.top_k,
+                          sampling.max_tokens, sampling.seed, len(stops), *offs, *lens, flags)
+        self.guest.write(ptr, cfg)
+        rc = self.guest.call("kvferry_chat_config", ptr)
+        if rc < 0:
+            raise SessionError(f"guest '{self.guest.name}' rejected the sampling config (code {rc})")
+        self.sampling = sampling
+
+    def _buffer(self, size: int) -> int:
+        ptr = self.guest.call("kvferry_buffer", size) & 0xFFFFFFFF
+        if ptr == 0:
+            raise SessionError(f"guest '{self.guest.name}' has no buffer for {size} bytes of input")
+        return ptr
+
+    # -- ModelBinding (called by the guest through the ABI) ----------------------
+    def info(self) -> dict:
+        return {"vocab_size": self.vocab_size, "context": self.context,
+                "n_tokens": len(self.history), "eos": self.eos}
+
+    def prefill(self, tokens: list[int]) -> None:
+        import mlx.core as mx
+
+        if self.options.ctx is None and len(self.history) + len(tokens) > self.context:
+            raise PromptTooLongError(f"context full: {len(self.history)} + {len(tokens)} tokens "
+                                     f"exceed the context of {self.context}")
+        arr = mx.array(tokens, dtype=mx.int32)
+        step = self.options.prefill_step
+        model = self.lm.model
+        while arr.size > 1:  # like mlx-lm: chunks over all but the last token
+            n = min(step, arr.size - 1)
+            model(arr[:n][None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            arr = arr[n:]
+        self._logits = model(arr[None], cache=self.cache)[0, -1]
+        mx.async_eval(self._logits)
+        self.history.extend(tokens)
+
+    def decode(self, token: int) -> None:
+        import mlx.core as mx
+
+        if self.options.ctx is None and len(self.history) + 1 > self.context:
+            raise SessionError(f"context full ({self.context} tokens)")
+        self._logits = self.lm.model(mx.array([[token]], dtype=mx.int32), cache=self.cache)[0, -1]
+        mx.async_eval(self._logits)
+        self.history.append(token)
+
+    def logits(self):
+        if self._logits is None:
+            raise SessionError("no logits yet: the guest read logits before any prefill/decode")
+        return self._logits
+
+    def token_text(self, token: int) -> bytes:
+        return self.host.token_bytes(token)
+
+    # -- turns -----------------------------------------------------------------
+    def send(self, text: str, role: str = "user") -> Iterator[TokenEvent]:
+        """Add a message and stream the guest's reply (a chat turn)."""
+        self._check_open()
+        self.messages.append({"role": role, "content": text})
+        try:
+            tokens = list(self.lm.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True))
+        except Exception as e:
+            self.messages.pop()
+            raise SessionError(f"chat template failed: {e}") from None
+        return self._turn(tokens, record=True)
+
+    def complete(self, prompt: str | list[int]) -> Iterator[TokenEvent]:
+        """Raw completion: continue ``prompt`` (text or ids) with no chat template."""
+        self._check_open()
+        ids = list(prompt) if not isinstance(prompt, str) else list(
+            self.lm.tokenizer.encode(prompt, add_special_tokens=False))
+        return self._turn(list(self.history) + ids, record=False)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionError(f"session {self.id} is closed")
+
+    def _sync_history(self, full: list[int]) -> list[int]:
+        """Trim the KV cache to the common prefix with ``full``; return the new tokens."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        common = 0
+        for a, b in zip(self.history, full):
+            if a != b:
+                break
+            common += 1
+        if common == len(full):  # nothing new: re-run the last token to get logits
+            common = max(0, common - 1)
+        drop = len(self.history) - common
+        if drop:
+            if can_trim_prompt_cache(self.cache) and trim_prompt_cache(self.cache, drop) == drop:
+                del self.history[common:]
+            else:  # a rotated cache cannot be trimmed: rebuild it
+                self.cache = self._make_cache()
+                self.history = []
+                common = 0
+        return full[common:]
+
+    def _turn(self, full: list[int], record: bool) -> Iterator[TokenEvent]:
+        if len(full) >= self.context:
+            raise PromptTooLongError(f"prompt is {len(full)} tokens, the context holds {self.context}")
+        new = self._sync_history(full)
+        ptr = self._buffer(4 * len(new))
+        self.guest.write(ptr, np.asarray(new, dtype=np.int32))
+        if self.guest.call("kvferry_chat_begin", ptr, len(new)) < 0:
+            raise SessionError(f"guest '{self.guest.name}' refused a turn of {len(new)} tokens")
+        return self._steps(len(new), record)
+
+    def _steps(self, n_prompt: int, record: bool) -> Iterator[TokenEvent]:
+        stats = TurnStats(prompt_tokens=n_prompt)
+        stream = _TextStream(self.lm.tokenizer, self.sampling.stop)
+        t0 = time.perf_counter()
+        t_first = None
+        finish = None
+        stopped_by_string = False
+        i = 0
+        while True:
+            if i >= self.sampling.max_tokens:
+                finish = "length"  # the host's hard limit, whatever the guest does
+                break
+            if len(self.history) + 1 >= self.context and self.options.ctx is None:
+                finish = "length"
+                break
+            tok = self.guest.call("kvferry_chat_step")
+            if tok < 0:
+                if tok not in STOP_CODES:
+                    raise SessionError(f"guest '{self.guest.name}' returned unknown code {tok}")
+                finish = STOP_CODES[tok]
+                stopped_by_string = tok == -2
+                break
+            if tok >= self.vocab_size:
+                self.guest.dead = f"emitted token id {tok}"
+                raise SessionError(f"guest '{self.guest.name}' emitted token id {tok}, outside "
+                                   f"the vocabulary (0..{self.vocab_size - 1})")
+            now = time.perf_counter()
+            if t_first is None:
+                t_first = now
+                stats.prompt_tps = n_prompt / max(now - t0, 1e-9)
+            stats.tokens.append(tok)
+            text = stream.add(tok)
+            i += 1
+            yield TokenEvent(tok, text, i - 1)
+        t_end = time.perf_counter()
+        tail = stream.finish(stopped_by_string)
+        stats.finish_reason = finish
+        stats.generation_tokens = len(stats.tokens)
+        if t_first is not None and len(stats.tokens) > 1:
+            stats.generation_tps = (len(stats.tokens) - 1) / max(t_end - t_first, 1e-9)
+        stats.text = stream.final_text
+        self.last = stats
+        if record:
+            self.messages.append({"role": "assistant", "content": stats.text})
+        yield TokenEvent(-1, tail, i, finish)
+
+    # -- reporting ---------------------------------------------------------------
+    def memory(self) -> dict:
+        kv = sum(c.nbytes for c in self.cache if not c.empty())
+        return {"kv_bytes": int(kv), "arena_bytes": int(self.guest.arena.cap) if not self.closed else 0,
+                "tokens": len(self.history)}
+
+    def describe(self) -> dict:
+        return {"id": self.id, "guest": self.guest.module.label, "guest_sha256": self.guest.module.sha256,
+                "cache": type(self.cache[0]).__name__, "context": self.context,
+                "sampling": asdict(self.sampling), "options": asdict(self.options), **self.memory()}
+
+    def close(self) -> None:
+        if not self.closed:
+            self.guest.model = None
+            self.guest.close()
+            self.cache = []
+            self.closed = True

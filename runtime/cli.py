@@ -93,6 +93,101 @@ def cmd_demo(a) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- generate / chat
+
+def _sampling(a):
+    from runtime.session import SamplingParams
+
+    return SamplingParams(temperature=a.temp, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
+                          seed=a.seed, stop=tuple(a.stop or ()), ignore_eos=a.ignore_eos)
+
+
+def _options(a):
+    from runtime.session import SessionOptions
+
+    return SessionOptions(ctx=a.ctx, prefill_step=a.prefill_step, kv_bits=a.kv_bits,
+                          deadline_ms=a.deadline_ms)
+
+
+def _host(a):
+    from runtime.host import ModelHost
+
+    sampling, options = _sampling(a), _options(a)
+    sampling.validate()  # fail fast, before loading anything
+    options.validate(1 << 30)
+    if a.guest and not os.path.exists(a.guest):
+        raise KvferryError(f"guest file {a.guest} does not exist")
+    host = ModelHost(a.model, attn_cpu=a.attn_cpu)
+    return host, sampling, options
+
+
+def _stats_line(st) -> str:
+    return (f"prompt: {st.prompt_tokens} tokens, {st.prompt_tps:.1f} tokens/s | "
+            f"generation: {st.generation_tokens} tokens, {st.generation_tps:.1f} tokens/s | "
+            f"finish: {st.finish_reason}")
+
+
+def cmd_generate(a) -> int:
+    from dataclasses import asdict
+
+    host, sampling, options = _host(a)
+    if a.resume:
+        raise KvferryError("--resume needs the checkpoint module (not available yet)")
+    s = host.create_session(a.guest, sampling, options)
+    if a.system:
+        s.messages.append({"role": "system", "content": a.system})
+    events = s.complete(a.prompt) if a.raw else s.send(a.prompt)
+    for ev in events:
+        if not a.json:
+            print(ev.text, end="", flush=True)
+    st = s.last
+    if a.json:
+        _print_json({"text": st.text, "tokens": st.tokens, **{k: v for k, v in asdict(st).items()
+                     if k not in ("text", "tokens")}, "session": s.describe(),
+                     "placement": host.placement})
+    else:
+        print()
+        print(_stats_line(st), file=sys.stderr)
+        if host.placement.get("attn_cpu"):
+            print(f"placement: {host.placement}", file=sys.stderr)
+    host.close()
+    return 0
+
+
+def cmd_chat(a) -> int:
+    host, sampling, options = _host(a)
+    s = host.create_session(a.guest, sampling, options)
+    if a.system:
+        s.messages.append({"role": "system", "content": a.system})
+    interactive = sys.stdin.isatty()
+    print("kvferry chat: /reset clears the conversation, /stats shows memory, /quit or EOF ends.",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/quit", "/exit"):
+            break
+        if line == "/reset":
+            host.close_session(s.id)
+            s = host.create_session(a.guest, sampling, options)
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if line == "/stats":
+            print(json.dumps(s.describe(), indent=2), file=sys.stderr)
+            continue
+        for ev in s.send(line):
+            print(ev.text, end="", flush=True)
+        print()
+        print(f"[{_stats_line(s.last)}]", file=sys.stderr, flush=True)
+    host.close()
+    return 0
+
+
 # ----------------------------------------------------------------------------- bench
 
 def cmd_bench_cpu(a) -> int:
@@ -106,6 +201,19 @@ def cmd_bench_cpu(a) -> int:
               f"stock {r['prefill_tps_stock']} tok/s, speedup {r['prefill_speedup']}x")
         print(f"decode: fast {r['decode_ms_per_token_fast']} ms/token, "
               f"stock {r['decode_ms_per_token_stock']} ms/token")
+    return 0
+
+
+def cmd_bench_overhead(a) -> int:
+    from runtime.bench.overhead import run
+
+    r = run(a.model, a.tokens, a.rounds)
+    if a.json:
+        _print_json(r)
+    else:
+        print(f"decode: runtime {r['decode_tps_runtime']} tok/s, bare mlx-lm {r['decode_tps_bare']} "
+              f"tok/s, ratio {r['ratio']}; prefill ratio {r['prefill_ratio']}; "
+              f"tokens equal: {r['tokens_equal']}")
     return 0
 
 
@@ -150,6 +258,34 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(fn=fn)
         return sp
 
+    def gen_args(sp):
+        sp.add_argument("--model", help="model name, directory or .gguf (default: SmolLM2-135M-Instruct)")
+        sp.add_argument("--guest", help="chat guest .wasm (default: actor_guests/chat.wasm)")
+        sp.add_argument("--max-tokens", type=int, default=256)
+        sp.add_argument("--seed", type=int, default=0)
+        sp.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy")
+        sp.add_argument("--top-p", type=float, default=1.0)
+        sp.add_argument("--top-k", type=int, default=0)
+        sp.add_argument("--stop", action="append", help="stop string (repeatable, up to 4)")
+        sp.add_argument("--ignore-eos", action="store_true")
+        sp.add_argument("--system", help="system message")
+        sp.add_argument("--ctx", type=int, help="maximum context in tokens (rotating KV cache)")
+        sp.add_argument("--prefill-step", type=int, default=512, help="prompt chunk size (llama.cpp -b)")
+        sp.add_argument("--kv-bits", type=int, help="quantize the KV cache (2, 3, 4, 5, 6, 8)")
+        sp.add_argument("--attn-cpu", type=float, default=0.0,
+                        help="fraction of layers whose attention runs on the CPU stream (GPU machines)")
+        sp.add_argument("--deadline-ms", type=float, default=5000.0, help="guest time per step")
+
+    ge = add(sub, "generate", cmd_generate, "stream a reply from a guest-driven session")
+    ge.add_argument("--prompt", required=True)
+    ge.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    ge.add_argument("--resume", help="continue a saved checkpoint")
+    ge.add_argument("--save", help="checkpoint the conversation when it ends")
+    ge.add_argument("--json", action="store_true")
+    gen_args(ge)
+    ch = add(sub, "chat", cmd_chat, "interactive multi-turn chat (history stays in the KV cache)")
+    gen_args(ch)
+
     d = add(sub, "demo", cmd_demo, "hold a short conversation on a local Ray (embedded defaults)")
     d.add_argument("--model", help="model name, directory or .gguf (default: SmolLM2-135M-Instruct)")
     d.add_argument("--max-tokens", type=int, default=48)
@@ -172,6 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--prompt-tokens", type=int, default=512)
     bc.add_argument("--decode-tokens", type=int, default=32)
     bc.add_argument("--json", action="store_true")
+    bo = add(b, "overhead", cmd_bench_overhead, "guest-driven session vs bare mlx-lm decode speed")
+    bo.add_argument("--model")
+    bo.add_argument("--tokens", type=int, default=256, help="generated tokens per run")
+    bo.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
+    bo.add_argument("--json", action="store_true")
     bz = add(b, "zero-copy", cmd_bench_zero_copy,
              "guest memory exposed to MLX in place vs copied (the seed's table)")
     bz.add_argument("--n", type=int, default=128, help="GEMM size (n x n)")

@@ -169,6 +169,11 @@ class Session:
         options.validate(context)
         sampling.validate()
         self.context = options.ctx or context
+        cfg = self.lm.config
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        if options.kv_bits is not None and head_dim % options.kv_group_size:
+            raise ConfigError(f"--kv-bits: the model's head dim {head_dim} is not a multiple of the "
+                              f"KV group size {options.kv_group_size}")
         self.vocab_size = int(self.lm.config["vocab_size"])
         self.eos = sorted(self.lm.eos_token_ids)
         module = host.guest_module(guest_path)

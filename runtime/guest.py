@@ -195,7 +195,7 @@ class GuestEngine:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise GuestError(f"{label}: not a valid WebAssembly module ({first})") from None
             self._modules[digest] = module
-        gm = GuestModule(label, module, digest)
+        gm = GuestModule(label, module, digest, data)
         check_module(gm)
         return gm
 
@@ -228,6 +228,7 @@ class GuestModule:
     label: str
     module: wt.Module
     sha256: str
+    wasm: bytes = b""
     kind: str = "tool"  # "chat" when it exports the chat entry points
 
     @property

@@ -121,6 +121,36 @@ class LoadedModel:
     def eos_token_ids(self) -> set[int]:
         return set(self.tokenizer.eos_token_ids)
 
+    @property
+    def fingerprint(self) -> str:
+        """Hash of config, weights and tokenizer files: what a checkpoint must match."""
+        fp = self.extra.get("fingerprint")
+        if fp is None:
+            fp = self.extra["fingerprint"] = fingerprint(self.path)
+        return fp
+
+
+_FP_CACHE: dict[tuple, str] = {}
+
+
+def fingerprint(path: Path) -> str:
+    import xxhash
+
+    files = sorted([*path.glob("*.safetensors"), *[path / n for n in ("config.json", "tokenizer.json",
+                                                                       "tokenizer_config.json")]])
+    files = [f for f in files if f.exists()]
+    key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    if key in _FP_CACHE:
+        return _FP_CACHE[key]
+    h = xxhash.xxh3_128()
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    _FP_CACHE[key] = h.hexdigest()
+    return _FP_CACHE[key]
+
 
 def load(model: str | os.PathLike | None = None, *, dtype: str = "auto",
          progress: bool = True) -> LoadedModel:

@@ -26,6 +26,7 @@ import numpy as np
 from .errors import ConfigError, KvferryError
 
 if TYPE_CHECKING:
+    from .guest import GuestModule
     from .host import ModelHost
 
 KV_BITS = (2, 3, 4, 5, 6, 8)
@@ -157,8 +158,9 @@ _ids = itertools.count(1)
 class Session:
     """One conversation. Create through :meth:`runtime.host.ModelHost.create_session`."""
 
-    def __init__(self, host: "ModelHost", guest_path: str | Path | None,
-                 sampling: SamplingParams, options: SessionOptions, session_id: str | None = None):
+    def __init__(self, host: "ModelHost", guest_path: "str | Path | GuestModule | None",
+                 sampling: SamplingParams, options: SessionOptions, session_id: str | None = None,
+                 *, configure: bool = True):
         from .guest import GuestLimits
 
         self.host = host
@@ -176,7 +178,9 @@ class Session:
                               f"KV group size {options.kv_group_size}")
         self.vocab_size = int(self.lm.config["vocab_size"])
         self.eos = sorted(self.lm.eos_token_ids)
-        module = host.guest_module(guest_path)
+        from .guest import GuestModule
+
+        module = guest_path if isinstance(guest_path, GuestModule) else host.guest_module(guest_path)
         self.guest = host.engine.instantiate(
             module, f"{Path(module.label).stem}#{self.id}",
             GuestLimits(memory_cap=options.memory_cap, deadline_ms=options.deadline_ms))
@@ -187,7 +191,8 @@ class Session:
         self._logits = None
         self.last = TurnStats()
         self.closed = False
-        self.configure(sampling)
+        if configure:  # restored sessions bring their guest memory (config, PRNG) instead
+            self.configure(sampling)
 
     # -- construction ----------------------------------------------------------
     def _make_cache(self) -> list:

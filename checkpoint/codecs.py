@@ -1,0 +1,258 @@
+"""Payload codecs for KV tensors and other bulk bytes.
+
+A codec blob is a plain dict (msgpack-able): ``codec``, ``dtype``, ``shape``,
+``nbytes`` (raw size, capped and checked on decode), ``parts`` (zstd streams)
+and codec ``meta``. Decoding never trusts a declared size: each zstd stream is
+decompressed with a hard output cap derived from the shape.
+
+Modes
+-----
+``lossless`` (``xsplit``): bit-exact. KV tensors ``[B, H, T, D]`` are turned
+channel-major (``[B·H, D, T]``: each head-dim channel's values over time are
+contiguous), split into byte planes, and the plane holding sign + exponent is
+normalised per channel (sign XOR the channel's majority sign, exponent minus the
+channel's mean), so zstd's entropy coder sees one concentrated distribution
+instead of a mixture of per-channel ones.
+
+``int8`` / ``int4``: group-wise affine quantization (groups of 64 along the head
+dim, float16 scale and bias per group), codes entropy-coded with zstd.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import zstandard as zstd
+
+from .errors import CheckpointError
+
+MAX_TENSOR_BYTES = 8 << 30
+DTYPES = {"float32": (np.uint32, 4), "float16": (np.uint16, 2), "bfloat16": (np.uint16, 2),
+          "uint32": (np.uint32, 4), "int32": (np.int32, 4), "uint8": (np.uint8, 1),
+          "int8": (np.int8, 1), "uint16": (np.uint16, 2)}
+FLOATS = ("float32", "float16", "bfloat16")
+MODES = ("lossless", "int8", "int4")
+LEVEL = 3
+
+_cctx = {}
+_dctx = zstd.ZstdDecompressor()
+
+
+def _z(data: bytes | memoryview, level: int = LEVEL) -> bytes:
+    c = _cctx.get(level)
+    if c is None:
+        c = _cctx[level] = zstd.ZstdCompressor(level=level)
+    return c.compress(data)
+
+
+def _unz(data: bytes, cap: int, where: str) -> bytes:
+    try:
+        out = _dctx.decompress(data, max_output_size=cap)
+    except zstd.ZstdError as e:
+        raise CheckpointError(f"{where}: zstd stream is corrupt or larger than declared ({e})") from None
+    return out
+
+
+def _check_shape(shape, dtype: str, where: str) -> int:
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{where}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not 1 <= len(shape) <= 8 or \
+            not all(isinstance(d, int) and 0 <= d < 1 << 40 for d in shape):
+        raise CheckpointError(f"{where}: malformed shape {shape!r}")
+    n = int(np.prod(shape, dtype=np.uint64)) * DTYPES[dtype][1]
+    if n > MAX_TENSOR_BYTES:
+        raise CheckpointError(f"{where}: declares {n} bytes, over the {MAX_TENSOR_BYTES >> 30} GiB "
+                              "tensor limit")
+    return n
+
+
+# ----------------------------------------------------------------------------- lossless
+
+def _channel_major(u: np.ndarray) -> np.ndarray:
+    if u.ndim < 2:
+        return u.reshape(1, 1, -1)
+    t, d = u.shape[-2], u.shape[-1]
+    return np.ascontiguousarray(u.reshape(-1, t, d).transpose(0, 2, 1))  # [BH, D, T]
+
+
+def _from_channel_major(cm: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if len(shape) < 2:
+        return cm.reshape(shape)
+    return np.ascontiguousarray(cm.transpose(0, 2, 1)).reshape(shape)
+
+
+def _normalise(top: np.ndarray):
+    """Per channel: sign XOR majority sign, low 7 bits minus the channel mean (mod 128)."""
+    sign = top >> 7
+    low = top & 0x7F
+    maj = (sign.mean(axis=-1, keepdims=True) > 0.5).astype(np.uint8)
+    off = np.round(low.mean(axis=-1, keepdims=True, dtype=np.float32)).astype(np.uint8)
+    out = ((sign ^ maj) << 7) | ((low - off) & 0x7F)
+    return out.astype(np.uint8), maj.reshape(-1), off.reshape(-1)
+
+
+def _denormalise(top: np.ndarray, maj: np.ndarray, off: np.ndarray) -> np.ndarray:
+    maj = maj.reshape(top.shape[0], top.shape[1], 1)
+    off = off.reshape(top.shape[0], top.shape[1], 1)
+    return ((((top >> 7) ^ maj) << 7) | (((top & 0x7F) + off) & 0x7F)).astype(np.uint8)
+
+
+def _planes(u: np.ndarray) -> tuple[list[np.ndarray], tuple[int, int, int]]:
+    """Channel-major byte planes of a [..., T, D] array: plane i = byte i of each value."""
+    t, d = u.shape[-2], u.shape[-1]
+    w = u.dtype.itemsize
+    b = np.ascontiguousarray(u).view(np.uint8).reshape(-1, t, d, w)
+    return [np.ascontiguousarray(b[..., i].transpose(0, 2, 1)) for i in range(w)], (b.shape[0], d, t)
+
+
+def encode_lossless(u: np.ndarray, dtype: str) -> dict:
+    """``u``: the tensor's bits as an unsigned integer array of its width."""
+    shape = list(u.shape)
+    if dtype not in FLOATS or u.ndim < 2:
+        return {"codec": "zstd", "dtype": dtype, "shape": shape, "nbytes": u.nbytes,
+                "parts": [_z(np.ascontiguousarray(u).tobytes(), 1)], "meta": {}}
+    planes, cm_shape = _planes(u)
+    top, maj, off = _normalise(planes[-1])
+    planes[-1] = top
+    parts = [_z(p, 1) for p in planes]  # level 1: within 0.5% of level 3 here, 4x faster
+    return {"codec": "xsplit", "dtype": dtype, "shape": shape, "nbytes": u.nbytes, "parts": parts,
+            "meta": {"maj": maj.tobytes(), "off": off.tobytes(), "cm": list(cm_shape)}}
+
+
+def _decode_lossless(b: dict, nbytes: int, where: str) -> np.ndarray:
+    dtype, shape = b["dtype"], tuple(b["shape"])
+    utype, width = DTYPES[dtype]
+    if b["codec"] == "zstd":
+        raw = _unz(_part(b, 0, where), nbytes, where)
+        if len(raw) != nbytes:
+            raise CheckpointError(f"{where}: payload is {len(raw)} bytes, expected {nbytes}")
+        return np.frombuffer(raw, dtype=utype).reshape(shape)
+    meta = b.get("meta") or {}
+    cm_shape = tuple(meta.get("cm", ()))
+    n = nbytes // width
+    if len(cm_shape) != 3 or int(np.prod(cm_shape)) != n or len(b["parts"]) != width:
+        raise CheckpointError(f"{where}: malformed xsplit layout")
+    planes = []
+    for i in range(width):
+        raw = _unz(_part(b, i, where), n, where)
+        if len(raw) != n:
+            raise CheckpointError(f"{where}: byte plane {i} is {len(raw)} bytes, expected {n}")
+        planes.append(np.frombuffer(raw, dtype=np.uint8).reshape(cm_shape))
+    maj = np.frombuffer(_bytes(meta, "maj", where), dtype=np.uint8)
+    off = np.frombuffer(_bytes(meta, "off", where), dtype=np.uint8)
+    if maj.size != cm_shape[0] * cm_shape[1] or off.size != maj.size:
+        raise CheckpointError(f"{where}: malformed xsplit channel table")
+    planes[-1] = _denormalise(planes[-1], maj, off)
+    bh, d, t = cm_shape
+    out = np.empty((bh, t, d, width), dtype=np.uint8)
+    for i in range(width):
+        out[..., i] = planes[i].transpose(0, 2, 1)
+    return out.view(utype).reshape(shape)
+
+
+# ----------------------------------------------------------------------------- lossy
+
+def _to_float32(u: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float32":
+        return u.view(np.float32)
+    if dtype == "float16":
+        return u.view(np.float16).astype(np.float32)
+    return (u.astype(np.uint32) << 16).view(np.float32)  # bfloat16
+
+
+def _from_float32(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float32":
+        return x.astype(np.float32).view(np.uint32)
+    if dtype == "float16":
+        return x.astype(np.float16).view(np.uint16)
+    b = x.astype(np.float32).view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+
+
+def encode_quantized(u: np.ndarray, dtype: str, bits: int, group: int = 64) -> dict:
+    shape = list(u.shape)
+    x = _to_float32(u, dtype)
+    d = shape[-1]
+    g = group if d % group == 0 else d
+    xg = x.reshape(-1, g)
+    lo, hi = xg.min(axis=1, keepdims=True), xg.max(axis=1, keepdims=True)
+    levels = (1 << bits) - 1
+    scale = ((hi - lo) / levels).astype(np.float16)
+    bias = lo.astype(np.float16)
+    s32 = scale.astype(np.float32)
+    safe = np.where(s32 > 0, s32, 1.0)
+    codes = np.clip(np.rint((xg - bias.astype(np.float32)) / safe), 0, levels).astype(np.uint8)
+    cm = _channel_major(codes.reshape(u.shape))
+    return {"codec": f"q{bits}", "dtype": dtype, "shape": shape, "nbytes": u.nbytes,
+            "parts": [_z(cm.tobytes()), _z(scale.tobytes()), _z(bias.tobytes())],
+            "meta": {"group": g, "cm": list(cm.shape)}}
+
+
+def _decode_quantized(b: dict, nbytes: int, where: str) -> np.ndarray:
+    dtype, shape = b["dtype"], tuple(b["shape"])
+    meta = b.get("meta") or {}
+    n = int(np.prod(shape))
+    g = meta.get("group")
+    cm_shape = tuple(meta.get("cm", ()))
+    if not isinstance(g, int) or g <= 0 or n % g or len(cm_shape) != 3 or int(np.prod(cm_shape)) != n:
+        raise CheckpointError(f"{where}: malformed quantized layout")
+    codes = np.frombuffer(_unz(_part(b, 0, where), n, where), dtype=np.uint8)
+    scale = np.frombuffer(_unz(_part(b, 1, where), 2 * (n // g), where), dtype=np.float16)
+    bias = np.frombuffer(_unz(_part(b, 2, where), 2 * (n // g), where), dtype=np.float16)
+    if codes.size != n or scale.size != n // g or bias.size != n // g:
+        raise CheckpointError(f"{where}: quantized payload sizes do not match the shape")
+    codes = _from_channel_major(codes.reshape(cm_shape), shape).reshape(-1, g)
+    x = codes.astype(np.float32) * scale.astype(np.float32)[:, None] + bias.astype(np.float32)[:, None]
+    return _from_float32(x.reshape(shape), dtype)
+
+
+# ----------------------------------------------------------------------------- API
+
+def encode(u: np.ndarray, dtype: str, mode: str = "lossless") -> dict:
+    """Encode a tensor given as its raw bits (unsigned view) and dtype name."""
+    if mode not in MODES:
+        raise CheckpointError(f"unknown checkpoint mode '{mode}' (choose from {', '.join(MODES)})")
+    if mode == "lossless" or dtype not in FLOATS or u.ndim < 2:
+        return encode_lossless(u, dtype)
+    return encode_quantized(u, dtype, 8 if mode == "int8" else 4)
+
+
+def _part(b: dict, i: int, where: str) -> bytes:
+    parts = b.get("parts")
+    if not isinstance(parts, list) or i >= len(parts) or not isinstance(parts[i], bytes):
+        raise CheckpointError(f"{where}: payload part {i} missing")
+    return parts[i]
+
+
+def _bytes(meta: dict, key: str, where: str) -> bytes:
+    v = meta.get(key)
+    if not isinstance(v, bytes):
+        raise CheckpointError(f"{where}: codec field '{key}' missing")
+    return v
+
+
+def decode(b: dict, where: str) -> np.ndarray:
+    """Decode a blob to its raw bits (unsigned view); validates every declared size."""
+    if not isinstance(b, dict) or not isinstance(b.get("codec"), str):
+        raise CheckpointError(f"{where}: malformed tensor blob")
+    dtype, shape = b.get("dtype"), b.get("shape")
+    nbytes = _check_shape(shape, dtype, where)
+    if b.get("nbytes") != nbytes:
+        raise CheckpointError(f"{where}: declared size {b.get('nbytes')} does not match shape {shape}")
+    codec = b["codec"]
+    if codec in ("zstd", "xsplit"):
+        return _decode_lossless(b, nbytes, where)
+    if codec in ("q8", "q4"):
+        return _decode_quantized(b, nbytes, where)
+    raise CheckpointError(f"{where}: unknown codec '{codec}'")
+
+
+def encode_bytes(data: bytes) -> dict:
+    return {"codec": "zstd", "dtype": "uint8", "shape": [len(data)], "nbytes": len(data),
+            "parts": [_z(data)], "meta": {}}
+
+
+def decode_bytes(b: dict, where: str, max_bytes: int) -> bytes:
+    u = decode(b, where)
+    if u.nbytes > max_bytes:
+        raise CheckpointError(f"{where}: {u.nbytes} bytes, over the {max_bytes}-byte limit")
+    return u.tobytes()

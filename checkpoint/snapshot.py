@@ -1,0 +1,418 @@
+"""Snapshot a live session into frames, and rebuild a session from frames.
+
+Frame order: header, KV frames (token ranges per layer, any number of stages),
+state (token history, messages, sampling), guest (memory pages, globals,
+module), trailer. A :class:`Snapshotter` can emit the KV of the tokens so far,
+later the KV of tokens generated since (deltas), and finally the small state:
+that is what live migration streams. A :class:`Restorer` verifies and applies
+frames as they arrive but registers the session only after the trailer checks
+out, so a failed restore never leaves half a session behind.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+import numpy as np
+
+from . import codecs
+from .errors import CheckpointError
+from .frames import GUEST, HEADER, KV, STATE, TRAILER, Frame, FrameWriter, iter_frames
+
+if TYPE_CHECKING:
+    from runtime.host import ModelHost
+    from runtime.session import Session
+
+PAGE = 65536
+MAX_GUEST_BYTES = 4 << 30
+MAX_TOKENS = 1 << 22
+
+
+def _mx_bits(a) -> tuple[np.ndarray, str]:
+    """An MLX array -> (its bits as an unsigned numpy array, dtype name)."""
+    import mlx.core as mx
+
+    name = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16",
+            mx.uint32: "uint32", mx.int32: "int32", mx.uint8: "uint8"}[a.dtype]
+    view = {"float32": mx.uint32, "float16": mx.uint16, "bfloat16": mx.uint16}.get(name)
+    return np.array(a.view(view) if view is not None else a), name
+
+
+def _mx_from_bits(u: np.ndarray, dtype: str):
+    import mlx.core as mx
+
+    a = mx.array(u)
+    if dtype in ("float32", "float16", "bfloat16"):
+        a = a.view(getattr(mx, dtype))
+    return a
+
+
+def _cache_kind(c) -> str:
+    return type(c).__name__
+
+
+class Snapshotter:
+    """Emits a session's checkpoint frame by frame."""
+
+    def __init__(self, session: "Session", mode: str = "lossless"):
+        if mode not in codecs.MODES:
+            raise CheckpointError(f"unknown checkpoint mode '{mode}' (choose from {', '.join(codecs.MODES)})")
+        self.s, self.mode = session, mode
+        self.w = FrameWriter()
+        self.sent_tokens = 0  # KV of tokens [0, sent_tokens) already emitted
+        self.raw_kv_bytes = 0
+        self.kind = _cache_kind(session.cache[0])
+
+    @property
+    def incremental(self) -> bool:
+        return self.kind in ("KVCache", "QuantizedKVCache")
+
+    def header(self) -> bytes:
+        import runtime
+
+        s = self.s
+        cfg = s.lm.config
+        head = {
+            "format": 1, "kvferry": runtime.__version__,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "created_on": socket.gethostname(), "mode": self.mode,
+            "model": {"name": s.lm.name, "fingerprint": s.lm.fingerprint, "dtype": s.lm.dtype,
+                      "vocab_size": s.vocab_size, "layers": len(s.cache)},
+            "guest": {"label": s.guest.module.label, "sha256": s.guest.module.sha256},
+            "session": {"id": s.id, "context": s.context, "sampling": _plain(asdict(s.sampling)),
+                        "options": _plain(asdict(s.options))},
+            "cache": {"class": self.kind, "layers": len(s.cache),
+                      "kv_heads": int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+                      "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])},
+        }
+        return self.w.frame(HEADER, head)
+
+    def kv(self, upto: int | None = None) -> Iterator[bytes]:
+        """KV frames for tokens [sent_tokens, upto) of every layer (a delta)."""
+        import mlx.core as mx
+
+        s = self.s
+        n = len(s.history) if upto is None else upto
+        if not self.incremental:
+            return  # rotating caches are sent whole by finish()
+        t0 = self.sent_tokens
+        if n <= t0:
+            return
+        for i, c in enumerate(s.cache):
+            if c.offset < n:
+                raise CheckpointError(f"layer {i} cache holds {c.offset} tokens, history has {n}")
+            body: dict[str, Any] = {"layer": i, "start": t0, "end": n}
+            if self.kind == "KVCache":
+                k, v = c.keys[..., t0:n, :], c.values[..., t0:n, :]
+                mx.eval(k, v)
+                body["keys"] = self._blob(k)
+                body["values"] = self._blob(v)
+            else:  # QuantizedKVCache: (packed, scales, biases) per side, stored exactly
+                body["keys"] = [self._blob(x[..., t0:n, :], exact=True) for x in c.keys]
+                body["values"] = [self._blob(x[..., t0:n, :], exact=True) for x in c.values]
+                body["meta"] = {"group_size": c.group_size, "bits": c.bits}
+            yield self.w.frame(KV, body)
+        self.sent_tokens = n
+
+    def _blob(self, a, exact: bool = False) -> dict:
+        u, dtype = _mx_bits(a)
+        self.raw_kv_bytes += u.nbytes
+        return codecs.encode(u, dtype, "lossless" if exact else self.mode)
+
+    def finish(self) -> Iterator[bytes]:
+        """Remaining KV, then state, guest and trailer."""
+        yield from self.kv()
+        s = self.s
+        if not self.incremental:
+            for i, c in enumerate(s.cache):
+                body: dict[str, Any] = {"layer": i, "start": 0, "end": len(s.history), "whole": True,
+                                        "meta": [int(c.keep), int(c.max_size), int(c.offset), int(c._idx)]
+                                        if not c.empty() else None}
+                if not c.empty():
+                    body["keys"] = self._blob(c.keys)
+                    body["values"] = self._blob(c.values)
+                yield self.w.frame(KV, body)
+        history = np.asarray(s.history, dtype=np.int32)
+        yield self.w.frame(STATE, {
+            "n_tokens": len(s.history), "history": codecs.encode_bytes(history.tobytes()),
+            "messages": s.messages, "sampling": _plain(asdict(s.sampling)),
+        })
+        g = s.guest
+        size = g.arena.size
+        mem = g.arena.np[:size]
+        pages = mem.reshape(-1, PAGE)
+        used = np.flatnonzero(pages.any(axis=1)).astype(np.uint32)
+        globals_ = {}
+        for e in g.module.module.exports:
+            if isinstance(e.type, __import__("wasmtime").GlobalType) and e.type.mutable:
+                globals_[e.name] = g._exports[e.name].value(g.store)
+        yield self.w.frame(GUEST, {
+            "sha256": g.module.sha256, "label": g.module.label,
+            "module": codecs.encode_bytes(g.module.wasm),
+            "memory_size": size, "pages": used.tobytes(),
+            "data": codecs.encode_bytes(pages[used].tobytes()) if used.size else None,
+            "globals": globals_,
+        })
+        yield self.w.trailer()
+
+
+def _plain(d: dict) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+
+
+def snapshot(session: "Session", mode: str = "lossless") -> Iterator[bytes]:
+    """The whole checkpoint of a session (between steps), as a stream of byte chunks."""
+    sn = Snapshotter(session, mode)
+    yield sn.header()
+    yield from sn.finish()
+
+
+def save(session: "Session", path: str | os.PathLike, mode: str = "lossless") -> dict:
+    """Write a checkpoint file atomically; returns sizes."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    sn = Snapshotter(session, mode)
+    with open(tmp, "wb") as f:
+        f.write(sn.header())
+        for chunk in sn.finish():
+            f.write(chunk)
+    os.replace(tmp, path)
+    return {"bytes": sn.w.bytes, "raw_kv_bytes": sn.raw_kv_bytes, "frames": sn.w.count + 1}
+
+
+# ----------------------------------------------------------------------------- restore
+
+class Restorer:
+    """Applies verified frames; :meth:`commit` creates the session on ``host``."""
+
+    def __init__(self, host: "ModelHost", *, expect_guest_sha: str | None = None,
+                 session_id: str | None = None):
+        self.host = host
+        self.expect_guest_sha = expect_guest_sha
+        self.session_id = session_id
+        self.header: dict | None = None
+        self.chunks: list[list[tuple[int, int, Any]]] = []
+        self.whole: dict[int, dict] = {}
+        self.state: dict | None = None
+        self.guest: dict | None = None
+        self.done = False
+        self.frames = 0
+
+    def apply(self, f: Frame) -> None:
+        self.frames += 1
+        where = f.name
+        if not isinstance(f.body, dict):
+            raise CheckpointError(f"{where}: body is not a map")
+        if f.kind == HEADER:
+            self._header(f.body, where)
+        elif self.header is None:
+            raise CheckpointError(f"{where}: arrives before the header")
+        elif f.kind == KV:
+            self._kv(f.body, where)
+        elif f.kind == STATE:
+            self.state = f.body
+        elif f.kind == GUEST:
+            self.guest = f.body
+        elif f.kind == TRAILER:
+            self.done = True
+
+    def _header(self, h: dict, where: str) -> None:
+        if self.header is not None:
+            raise CheckpointError(f"{where}: a second header")
+        if h.get("format") != 1:
+            raise CheckpointError(f"{where}: unknown checkpoint format version {h.get('format')!r}")
+        lm = self.host.lm
+        model = h.get("model") or {}
+        if model.get("fingerprint") != lm.fingerprint:
+            raise CheckpointError(
+                f"{where}: checkpoint is for model '{model.get('name')}' (fingerprint "
+                f"{str(model.get('fingerprint'))[:12]}…), this host serves '{lm.name}' "
+                f"({lm.fingerprint[:12]}…)")
+        guest = h.get("guest") or {}
+        if self.expect_guest_sha and guest.get("sha256") != self.expect_guest_sha:
+            raise CheckpointError(f"{where}: checkpoint was made with guest '{guest.get('label')}' "
+                                  f"(sha256 {str(guest.get('sha256'))[:12]}…), not the requested guest")
+        cache = h.get("cache") or {}
+        n = len(lm.model.layers)
+        if cache.get("layers") != n or cache.get("class") not in ("KVCache", "RotatingKVCache",
+                                                                  "QuantizedKVCache"):
+            raise CheckpointError(f"{where}: cache of {cache.get('layers')} layers of "
+                                  f"{cache.get('class')!r} does not fit this model ({n} layers)")
+        self.header = h
+        self.chunks = [[] for _ in range(n)]
+
+    def _kv(self, b: dict, where: str) -> None:
+        i, t0, t1 = b.get("layer"), b.get("start"), b.get("end")
+        n = len(self.chunks)
+        if not (isinstance(i, int) and 0 <= i < n and isinstance(t0, int) and isinstance(t1, int)
+                and 0 <= t0 <= t1 <= MAX_TOKENS):
+            raise CheckpointError(f"{where}: bad layer or token range ({i}, {t0}..{t1})")
+        cache = self.header["cache"]
+        heads, hd = cache["kv_heads"], cache["head_dim"]
+        if b.get("whole"):
+            if b.get("keys") is not None:
+                k = codecs.decode(b["keys"], f"{where} keys")
+                v = codecs.decode(b["values"], f"{where} values")
+                meta = b.get("meta")
+                if not (isinstance(meta, list) and len(meta) == 4 and all(isinstance(x, int) for x in meta)):
+                    raise CheckpointError(f"{where}: malformed rotating-cache meta state")
+                b = {**b, "_k": (k, b["keys"]["dtype"]), "_v": (v, b["values"]["dtype"])}
+            self.whole[i] = b
+            return
+        if cache["class"] == "QuantizedKVCache":
+            sides = []
+            for side in ("keys", "values"):
+                blobs = b.get(side)
+                if not isinstance(blobs, list) or len(blobs) != 3:
+                    raise CheckpointError(f"{where}: quantized {side} must be 3 tensors")
+                arrs = [(codecs.decode(x, f"{where} {side}[{j}]"), x["dtype"]) for j, x in enumerate(blobs)]
+                for a, _ in arrs:
+                    if a.ndim != 4 or a.shape[1] != heads or a.shape[2] != t1 - t0:
+                        raise CheckpointError(f"{where}: {side} shape {list(a.shape)} does not fit "
+                                              f"{heads} heads x {t1 - t0} tokens")
+                sides.append(arrs)
+            meta = b.get("meta") or {}
+            self.chunks[i].append((t0, t1, ("q", sides, meta)))
+            return
+        k = codecs.decode(b.get("keys"), f"{where} keys")
+        v = codecs.decode(b.get("values"), f"{where} values")
+        for name, a in (("keys", k), ("values", v)):
+            if a.ndim != 4 or a.shape[1] != heads or a.shape[2] != t1 - t0 or a.shape[3] != hd:
+                raise CheckpointError(f"{where}: {name} shape {list(a.shape)} does not fit "
+                                      f"[1, {heads}, {t1 - t0}, {hd}]")
+        self.chunks[i].append((t0, t1, ("f", (k, b["keys"]["dtype"]), (v, b["values"]["dtype"]))))
+
+    def commit(self) -> "Session":
+        """Build the session from everything applied; only now is it registered."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+        from runtime.session import SamplingParams, Session, SessionOptions
+
+        if not self.done:
+            raise CheckpointError("truncated: no verified trailer")
+        if self.state is None or self.guest is None:
+            raise CheckpointError("checkpoint lacks its state or guest frame")
+        h, st, g = self.header, self.state, self.guest
+        n_tokens = st.get("n_tokens")
+        if not isinstance(n_tokens, int) or not 0 <= n_tokens <= MAX_TOKENS:
+            raise CheckpointError("state frame: bad token count")
+        history = np.frombuffer(codecs.decode_bytes(st.get("history"), "state frame history",
+                                                    4 * MAX_TOKENS), dtype=np.int32)
+        if history.size != n_tokens:
+            raise CheckpointError(f"state frame: history has {history.size} tokens, header says {n_tokens}")
+        vocab = self.host.lm.config["vocab_size"]
+        if history.size and (history.min() < 0 or history.max() >= vocab):
+            raise CheckpointError("state frame: history holds token ids outside the vocabulary")
+        # caches
+        kind = h["cache"]["class"]
+        caches = []
+        for i, chunks in enumerate(self.chunks):
+            if kind == "RotatingKVCache":
+                w = self.whole.get(i)
+                if w is None:
+                    raise CheckpointError(f"layer {i}: no KV frame")
+                opts = h["session"]["options"]
+                c = RotatingKVCache(max_size=int(opts.get("ctx") or 0) or 1, keep=4)
+                if w.get("keys") is not None:
+                    c.keys = _mx_from_bits(*w["_k"])
+                    c.values = _mx_from_bits(*w["_v"])
+                    c.keep, c.max_size, c.offset, c._idx = w["meta"]
+                caches.append(c)
+                continue
+            chunks.sort(key=lambda x: x[0])
+            at = 0
+            for t0, t1, _ in chunks:
+                if t0 != at:
+                    raise CheckpointError(f"layer {i}: KV token ranges have a gap or overlap at {at}")
+                at = t1
+            if at != n_tokens:
+                raise CheckpointError(f"layer {i}: KV covers {at} tokens, the history has {n_tokens}")
+            if kind == "KVCache":
+                c = KVCache()
+                if chunks:
+                    ks = [_mx_from_bits(*p[1]) for _, _, p in chunks]
+                    vs = [_mx_from_bits(*p[2]) for _, _, p in chunks]
+                    k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+                    v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+                    c.keys, c.values, c.offset = k, v, n_tokens
+            else:
+                meta = chunks[0][2][2] if chunks else {}
+                c = QuantizedKVCache(group_size=int(meta.get("group_size", 64)), bits=int(meta.get("bits", 8)))
+                if chunks:
+                    def cat(side: int) -> tuple:
+                        return tuple(mx.concatenate([_mx_from_bits(*p[1][side][j]) for _, _, p in chunks], axis=2)
+                                     for j in range(3))
+                    c.keys, c.values, c.offset = cat(0), cat(1), n_tokens
+            caches.append(c)
+        mx.eval([c.state for c in caches if not c.empty()])
+        # guest
+        module_bytes = codecs.decode_bytes(g.get("module"), "guest frame module", 64 << 20)
+        gm = self.host.engine.compile(module_bytes, str(g.get("label", "guest.wasm")))
+        if gm.sha256 != g.get("sha256") or gm.sha256 != h["guest"]["sha256"]:
+            raise CheckpointError("guest frame: module bytes do not match the recorded hash")
+        if gm.kind != "chat":
+            raise CheckpointError(f"guest frame: {gm.label} is not a chat guest")
+        size = g.get("memory_size")
+        if not isinstance(size, int) or size % PAGE or not 0 < size <= MAX_GUEST_BYTES:
+            raise CheckpointError(f"guest frame: bad memory size {size!r}")
+        pages = np.frombuffer(g.get("pages") or b"", dtype=np.uint32)
+        if pages.size and (pages.max() >= size // PAGE or np.any(np.diff(pages.astype(np.int64)) <= 0)):
+            raise CheckpointError("guest frame: page table out of range")
+        data = codecs.decode_bytes(g["data"], "guest frame data", size) if pages.size else b""
+        if len(data) != pages.size * PAGE:
+            raise CheckpointError("guest frame: page data does not match the page table")
+        sampling = SamplingParams(**{**st.get("sampling", {}), "stop": tuple(st.get("sampling", {}).get("stop", ()))})
+        options = SessionOptions(**h["session"]["options"])
+        session = Session(self.host, gm, sampling, options, self.session_id or h["session"]["id"],
+                          configure=False)
+        try:
+            guest = session.guest
+            if size > guest.arena.cap:
+                raise CheckpointError(f"guest frame: {size} bytes of memory exceed this host's cap "
+                                      f"({guest.arena.cap})")
+            grow = (size - guest.memory_size) // PAGE
+            if grow > 0 and guest.memory.grow(guest.store, grow) < 0:
+                raise CheckpointError("guest frame: cannot grow guest memory to its saved size")
+            guest.arena.np[:guest.memory_size] = 0
+            view = guest.arena.np[:size].reshape(-1, PAGE)
+            if pages.size:
+                view[pages] = np.frombuffer(data, dtype=np.uint8).reshape(-1, PAGE)
+            for name, value in (g.get("globals") or {}).items():
+                glob = guest._exports[name] if name in guest.module.exports else None
+                if glob is None:
+                    raise CheckpointError(f"guest frame: global '{name}' not exported by the guest")
+                glob.set_value(guest.store, value)
+            session.cache = caches
+            session.history = history.tolist()
+            session.messages = list(st.get("messages") or [])
+        except BaseException:
+            session.close()
+            raise
+        with self.host.lock:
+            if session.id in self.host.sessions:
+                session.close()
+                raise CheckpointError(f"session {session.id} already exists on this host")
+            self.host.sessions[session.id] = session
+        return session
+
+
+def restore(host: "ModelHost", chunks: Iterable[bytes], **kw) -> "Session":
+    r = Restorer(host, **kw)
+    for f in iter_frames(chunks):
+        r.apply(f)
+    return r.commit()
+
+
+def load(host: "ModelHost", path: str | os.PathLike, **kw) -> "Session":
+    from .frames import read_file_chunks
+
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise CheckpointError(f"{path}: {e.strerror}") from None
+    with f:
+        return restore(host, read_file_chunks(f), **kw)

@@ -45,10 +45,21 @@ def _z(data: bytes | memoryview, level: int = LEVEL) -> bytes:
 
 
 def _unz(data: bytes, cap: int, where: str) -> bytes:
+    """Decompress at most ``cap`` bytes. The zstd frame's own content size is not
+    trusted: checked against the cap before anything is allocated."""
     try:
-        out = _dctx.decompress(data, max_output_size=cap)
+        size = zstd.frame_content_size(data)
+        if size > cap:
+            raise CheckpointError(f"{where}: zstd stream declares {size} bytes, larger than declared "
+                                  f"for the tensor ({cap})")
+        if size >= 0:
+            return _dctx.decompress(data)
+        with _dctx.stream_reader(data) as r:
+            out = r.read(cap + 1)
     except zstd.ZstdError as e:
-        raise CheckpointError(f"{where}: zstd stream is corrupt or larger than declared ({e})") from None
+        raise CheckpointError(f"{where}: zstd stream is corrupt ({e})") from None
+    if len(out) > cap:
+        raise CheckpointError(f"{where}: zstd stream inflates larger than declared ({cap} bytes)")
     return out
 
 

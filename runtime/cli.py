@@ -132,9 +132,15 @@ def cmd_generate(a) -> int:
 
     host, sampling, options = _host(a)
     if a.resume:
-        raise KvferryError("--resume needs the checkpoint module (not available yet)")
-    s = host.create_session(a.guest, sampling, options)
-    if a.system:
+        from checkpoint import snapshot
+
+        expect = host.guest_module(a.guest).sha256 if a.guest else None
+        s = snapshot.load(host, a.resume, expect_guest_sha=expect)
+        if a.sampling_given:
+            s.configure(sampling)
+    else:
+        s = host.create_session(a.guest, sampling, options)
+    if a.system and not a.resume:
         s.messages.append({"role": "system", "content": a.system})
     events = s.complete(a.prompt) if a.raw else s.send(a.prompt)
     for ev in events:
@@ -150,7 +156,34 @@ def cmd_generate(a) -> int:
         print(_stats_line(st), file=sys.stderr)
         if host.placement.get("attn_cpu"):
             print(f"placement: {host.placement}", file=sys.stderr)
+    if a.save:
+        from checkpoint import snapshot
+
+        info = snapshot.save(s, a.save, a.mode)
+        print(f"saved {a.save}: {info['bytes']} bytes ({len(s.history)} tokens, KV "
+              f"{info['raw_kv_bytes']} raw bytes, mode {a.mode})", file=sys.stderr)
     host.close()
+    return 0
+
+
+def cmd_checkpoint_inspect(a) -> int:
+    from checkpoint.inspect import inspect, summary
+
+    info = inspect(a.file, decode=True)
+    print(json.dumps(info, indent=2, default=str) if a.json else summary(info))
+    return 0
+
+
+def cmd_checkpoint_verify(a) -> int:
+    from checkpoint.errors import CheckpointError
+    from checkpoint.inspect import inspect
+
+    try:
+        info = inspect(a.file, decode=True)
+    except CheckpointError as e:
+        print(f"{a.file}: FAILED: {e}", file=sys.stderr)
+        return 1
+    print(f"{a.file}: ok ({info['frames']} frames, {info['bytes']} bytes, digest {info['digest']})")
     return 0
 
 
@@ -281,10 +314,19 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     ge.add_argument("--resume", help="continue a saved checkpoint")
     ge.add_argument("--save", help="checkpoint the conversation when it ends")
+    ge.add_argument("--mode", default="lossless", choices=["lossless", "int8", "int4"],
+                    help="checkpoint KV codec for --save")
     ge.add_argument("--json", action="store_true")
     gen_args(ge)
     ch = add(sub, "chat", cmd_chat, "interactive multi-turn chat (history stays in the KV cache)")
     gen_args(ch)
+
+    cp = sub.add_parser("checkpoint", help="checkpoint files").add_subparsers(dest="sub", required=True)
+    ci = add(cp, "inspect", cmd_checkpoint_inspect, "header, model, tokens, per-layer sizes, ratio")
+    ci.add_argument("file")
+    ci.add_argument("--json", action="store_true")
+    cv = add(cp, "verify", cmd_checkpoint_verify, "exit 0 only if every frame and the trailer check out")
+    cv.add_argument("file")
 
     d = add(sub, "demo", cmd_demo, "hold a short conversation on a local Ray (embedded defaults)")
     d.add_argument("--model", help="model name, directory or .gguf (default: SmolLM2-135M-Instruct)")
@@ -325,8 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_SAMPLING_FLAGS = ("--temp", "--top-p", "--top-k", "--seed", "--max-tokens", "--stop", "--ignore-eos")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.sampling_given = any(a.split("=")[0] in _SAMPLING_FLAGS for a in argv)
     try:
         return args.fn(args) or 0
     except KvferryError as e:
@@ -334,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `kvferry … | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

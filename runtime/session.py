@@ -319,9 +319,12 @@ class Session:
         return full[common:]
 
     def _turn(self, full: list[int], record: bool) -> Iterator[TokenEvent]:
-        if len(full) >= self.context:
+        # With --ctx the cache slides, so only this turn's new tokens must fit.
+        if self.options.ctx is None and len(full) >= self.context:
             raise PromptTooLongError(f"prompt is {len(full)} tokens, the context holds {self.context}")
         new = self._sync_history(full)
+        if self.options.ctx is not None and len(new) >= self.context:
+            raise PromptTooLongError(f"prompt is {len(new)} tokens, the context holds {self.context}")
         ptr = self._buffer(4 * len(new))
         self.guest.write(ptr, np.asarray(new, dtype=np.int32))
         if self.guest.call("kvferry_chat_begin", ptr, len(new)) < 0:

@@ -1,0 +1,274 @@
+"""Checkpoints: exact resume, streaming/appending frames, and hostile files."""
+
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from actor_guests import GUESTS_DIR
+from checkpoint import codecs, snapshot
+from checkpoint.errors import CheckpointError
+from checkpoint.frames import KV, FrameDecoder, FrameWriter, iter_frames
+from runtime.host import ModelHost
+from runtime.session import SamplingParams, SessionOptions
+
+
+@pytest.fixture(scope="module")
+def host(tiny_model):
+    h = ModelHost(str(tiny_model), progress=False)
+    yield h
+    h.close()
+
+
+@pytest.fixture(autouse=True)
+def clean_host(request):
+    yield
+    if "host" in request.fixturenames:
+        h = request.getfixturevalue("host")
+        for sid in list(h.sessions):
+            h.close_session(sid)
+
+
+def chat_turns(session, turns):
+    return [[e.token for e in session.send(t) if e.token >= 0] for t in turns]
+
+
+SAMPLINGS = [SamplingParams(max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=1.5, top_p=0.95, seed=11, max_tokens=12, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "seeded"])
+@pytest.mark.parametrize("options", [SessionOptions(), SessionOptions(ctx=96)], ids=["kv", "rotating"])
+def test_lossless_resume_is_exact(host, sampling, options, tmp_path):
+    twin = host.create_session(sampling=sampling, options=options)
+    a = host.create_session(sampling=sampling, options=options)
+    chat_turns(twin, ["hello there", "tell me more"])
+    chat_turns(a, ["hello there"])
+    snapshot.save(a, tmp_path / "a.kvf")
+    host.close_session(a.id)  # the original is gone: only the file remains
+    b = snapshot.load(host, tmp_path / "a.kvf")
+    assert b.id == a.id
+    assert chat_turns(b, ["tell me more"]) == [twin.last.tokens]
+    assert b.messages == twin.messages
+
+
+def test_streamed_deltas_rebuild_the_session(host):
+    """Stage 0 sends the KV so far; later stages append token ranges; then the small state."""
+    s = host.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    twin = host.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    sn = snapshot.Snapshotter(s)
+    chunks = [sn.header()]
+    chat_turns(s, ["one"])
+    chat_turns(twin, ["one"])
+    chunks += list(sn.kv())
+    n0 = sn.sent_tokens
+    chat_turns(s, ["two"])
+    chat_turns(twin, ["two"])
+    chunks += list(sn.kv())  # delta: only tokens since stage 0
+    assert sn.sent_tokens > n0
+    chunks += list(sn.finish())
+    kv_ranges = [(f.body["layer"], f.body["start"], f.body["end"]) for f in iter_frames(chunks) if f.kind == KV]
+    assert (0, 0, n0) in kv_ranges and (0, n0, sn.sent_tokens) in kv_ranges
+    # feed the bytes in awkward pieces, as a network would
+    blob = b"".join(chunks)
+    r = snapshot.Restorer(host, session_id="streamed")
+    dec = FrameDecoder()
+    for i in range(0, len(blob), 777):
+        for f in dec.feed(blob[i:i + 777]):
+            r.apply(f)
+    dec.close()
+    b = r.commit()
+    assert chat_turns(b, ["three"]) == chat_turns(twin, ["three"])
+
+
+def test_codecs_roundtrip_and_ratios():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((1, 3, 200, 64)) * np.exp(rng.standard_normal((1, 3, 1, 64)))).astype(np.float32)
+    for dtype, u in [("float32", x.view(np.uint32)), ("float16", x.astype(np.float16).view(np.uint16))]:
+        b = codecs.encode(u, dtype, "lossless")
+        assert np.array_equal(codecs.decode(b, "t"), u)
+        for mode, tol in (("int8", 0.02), ("int4", 0.3)):
+            q = codecs.decode(codecs.encode(u, dtype, mode), "t")
+            back = q.view(np.float32) if dtype == "float32" else q.view(np.float16).astype(np.float32)
+            err = np.abs(back - x).max(axis=-1) / (np.abs(x).max(axis=-1) + 1e-6)
+            assert err.max() < tol, (dtype, mode, err.max())
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.fixture(scope="module")
+def good(host, tmp_path_factory):
+    s = host.create_session(sampling=SamplingParams(max_tokens=8, ignore_eos=True))
+    chat_turns(s, ["a small checkpoint"])
+    path = tmp_path_factory.mktemp("ck") / "good.kvf"
+    snapshot.save(s, path)
+    host.close_session(s.id)
+    return path.read_bytes()
+
+
+def restore_bytes(host, data, **kw):
+    before = set(host.sessions)
+    try:
+        return snapshot.restore(host, [data], **kw)
+    finally:
+        new = set(host.sessions) - before
+        for sid in new:  # tests close what they restored
+            host.close_session(sid)
+
+
+def frame_offsets(data):
+    offs, at = [], 12
+    while at < len(data):
+        n = int.from_bytes(data[at + 4:at + 8], "little")
+        offs.append((at, 16 + n))
+        at += 16 + n
+    return offs
+
+
+def test_truncated(host, good):
+    assert not host.sessions
+    for cut in (0, 5, 12, 40, len(good) // 3, len(good) - 1):
+        with pytest.raises(CheckpointError, match="truncated|bad magic"):
+            restore_bytes(host, good[:cut])
+    assert not host.sessions
+
+
+def test_every_frame_bit_flip_is_caught(host, good):
+    offs = frame_offsets(good)
+    assert len(offs) > 5
+    for i, (at, n) in enumerate(offs):
+        for pos in (at + 16, at + n // 2, at + n - 1):  # body bytes
+            bad = bytearray(good)
+            bad[pos] ^= 0x10
+            with pytest.raises(CheckpointError) as e:
+                restore_bytes(host, bytes(bad))
+            assert f"frame {i} (" in str(e.value) and "\n" not in str(e.value)
+    assert not host.sessions
+
+
+def test_unknown_version(host, good):
+    bad = bytearray(good)
+    bad[8] = 7
+    with pytest.raises(CheckpointError, match="unknown checkpoint format version 7"):
+        restore_bytes(host, bytes(bad))
+
+
+def test_other_model_is_refused(good, tmp_path):
+    from runtime.convert import import_gguf
+    from tinyllama import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "other.gguf", seed=99)
+    other = ModelHost(str(import_gguf(tmp_path / "other.gguf", tmp_path / "other", progress=False)),
+                      progress=False)
+    with pytest.raises(CheckpointError, match=r"frame 0 \(header\): checkpoint is for model 'tiny-llama'"):
+        restore_bytes(other, good)
+    assert not other.sessions
+    other.close()
+
+
+def test_other_guest_is_refused(host, good):
+    digits = host.engine.compile(GUESTS_DIR / "digits.wasm").sha256
+    with pytest.raises(CheckpointError, match="made with guest 'chat.wasm'"):
+        restore_bytes(host, good, expect_guest_sha=digits)
+
+
+def test_existing_session_is_not_duplicated(host, good):
+    s = restore_bytes.__wrapped__ if hasattr(restore_bytes, "__wrapped__") else None
+    first = snapshot.restore(host, [good])
+    with pytest.raises(CheckpointError, match="already exists"):
+        snapshot.restore(host, [good])
+    assert list(host.sessions) == [first.id]
+    host.close_session(first.id)
+    del s
+
+
+def _craft(frames):
+    w = FrameWriter()
+    out = b"".join(w.frame(k, b) for k, b in frames)
+    return out + w.trailer()
+
+
+def test_decompression_bombs(host, good):
+    frames = list(iter_frames([good]))
+    header = frames[0].body
+    big = {"codec": "zstd", "dtype": "float32", "shape": [1, 2, 1 << 33, 64], "nbytes": 1 << 42,
+           "parts": [b""], "meta": {}}
+    data = _craft([(1, header), (KV, {"layer": 0, "start": 0, "end": 4, "keys": big, "values": big})])
+    with pytest.raises(CheckpointError, match=r"frame 1 \(kv\) keys: declares \d+ bytes, over the 8 GiB"):
+        restore_bytes(host, data)
+    # a stream that inflates past its declared size
+    bomb = codecs._z(bytes(64 << 20))
+    liar = {"codec": "zstd", "dtype": "float32", "shape": [1, 2, 4, 16], "nbytes": 512, "parts": [bomb], "meta": {}}
+    data = _craft([(1, header), (KV, {"layer": 0, "start": 0, "end": 4, "keys": liar, "values": liar})])
+    with pytest.raises(CheckpointError, match="larger than declared"):
+        restore_bytes(host, data)
+    # a frame header declaring a 4 GiB body
+    data = good[:12] + bytes([1, 0, 0, 0]) + (0xFFFFFFF0).to_bytes(4, "little") + bytes(8)
+    with pytest.raises(CheckpointError, match=r"frame 0 \(header\): declares a 4294967280-byte body"):
+        restore_bytes(host, data)
+    assert not host.sessions
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_mutations(host, good, data):
+    """Any mutation of a real checkpoint: a one-line CheckpointError, or (if the bytes
+    did not change) the same session. Never a crash, never a half-restored session."""
+    buf = bytearray(good)
+    op = data.draw(st.sampled_from(["flip", "truncate", "insert", "delete", "overwrite"]))
+    pos = data.draw(st.integers(0, len(buf) - 1))
+    if op == "flip":
+        buf[pos] ^= 1 << data.draw(st.integers(0, 7))
+    elif op == "truncate":
+        del buf[pos:]
+    elif op == "insert":
+        buf[pos:pos] = data.draw(st.binary(min_size=1, max_size=16))
+    elif op == "delete":
+        del buf[pos:pos + data.draw(st.integers(1, 64))]
+    else:
+        chunk = data.draw(st.binary(min_size=1, max_size=32))
+        buf[pos:pos + len(chunk)] = chunk
+    try:
+        s = restore_bytes(host, bytes(buf))
+        assert bytes(buf) == good, "a changed checkpoint was accepted"
+        assert s is not None
+    except CheckpointError as e:
+        assert "\n" not in str(e) and str(e)
+    assert not host.sessions
+
+
+# ----------------------------------------------------------------------------- CLI on SmolLM2
+
+def kvferry(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], capture_output=True, text=True,
+                          input=stdin, timeout=600)
+
+
+def test_cli_save_verify_inspect_resume(smollm_dir, tmp_path):
+    ck = tmp_path / "c.kvf"
+    r = kvferry("generate", "--prompt", "What is the capital of France?", "--max-tokens", "16",
+                "--save", str(ck))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert kvferry("checkpoint", "verify", str(ck)).returncode == 0
+    info = json.loads(kvferry("checkpoint", "inspect", str(ck), "--json").stdout)
+    assert info["verified"] and len(info["layers"]) == 30 and info["ratio"] > 1.0
+    assert info["header"]["model"]["name"] == "SmolLM2-135M-Instruct"
+    resumed = kvferry("generate", "--resume", str(ck), "--prompt", "And of Italy?", "--max-tokens", "16")
+    twin = kvferry("chat", "--max-tokens", "16", stdin="What is the capital of France?\nAnd of Italy?\n")
+    assert resumed.returncode == 0 and twin.returncode == 0
+    assert resumed.stdout.strip() == twin.stdout.strip().splitlines()[-1].strip()
+    assert "Rome" in resumed.stdout
+    # a flipped bit: verify fails with one line naming the frame
+    data = bytearray(ck.read_bytes())
+    data[len(data) // 2] ^= 4
+    bad = tmp_path / "bad.kvf"
+    bad.write_bytes(bytes(data))
+    v = kvferry("checkpoint", "verify", str(bad))
+    assert v.returncode == 1 and "checksum mismatch" in v.stderr and len(v.stderr.strip().splitlines()) == 1
+    g = kvferry("generate", "--resume", str(bad), "--prompt", "hi")
+    assert g.returncode == 2 and g.stderr.startswith("kvferry: frame ") and len(g.stderr.strip().splitlines()) == 1

@@ -109,7 +109,7 @@ class Snapshotter:
             if self.kind == "KVCache":
                 k, v = c.keys[..., t0:n, :], c.values[..., t0:n, :]
                 mx.eval(k, v)
-                body["keys"] = self._blob(k)
+                body["keys"] = self._blob(k, role="keys")
                 body["values"] = self._blob(v)
             else:  # QuantizedKVCache: (packed, scales, biases) per side, stored exactly
                 body["keys"] = [self._blob(x[..., t0:n, :], exact=True) for x in c.keys]
@@ -118,10 +118,10 @@ class Snapshotter:
             yield self.w.frame(KV, body)
         self.sent_tokens = n
 
-    def _blob(self, a, exact: bool = False) -> dict:
+    def _blob(self, a, exact: bool = False, role: str = "values") -> dict:
         u, dtype = _mx_bits(a)
         self.raw_kv_bytes += u.nbytes
-        return codecs.encode(u, dtype, "lossless" if exact else self.mode)
+        return codecs.encode(u, dtype, "lossless" if exact else self.mode, role)
 
     def finish(self) -> Iterator[bytes]:
         """Remaining KV, then state, guest and trailer."""
@@ -133,7 +133,7 @@ class Snapshotter:
                                         "meta": [int(c.keep), int(c.max_size), int(c.offset), int(c._idx)]
                                         if not c.empty() else None}
                 if not c.empty():
-                    body["keys"] = self._blob(c.keys)
+                    body["keys"] = self._blob(c.keys, role="keys")
                     body["values"] = self._blob(c.values)
                 yield self.w.frame(KV, body)
         history = np.asarray(s.history, dtype=np.int32)

@@ -250,6 +250,33 @@ def cmd_bench_overhead(a) -> int:
     return 0
 
 
+def cmd_bench_checkpoint(a) -> int:
+    from runtime.bench.checkpoint import run
+
+    r = run(a.model, tuple(a.contexts))
+    if a.json:
+        _print_json(r)
+    else:
+        for ctx, row in r["contexts"].items():
+            for mode in ("lossless", "int8", "int4"):
+                m = row[mode]
+                print(f"ctx {ctx:>5} {mode:8} ratio {m['ratio']:6} (own dtype {m['ratio_own_dtype']}) "
+                      f"enc {m['encode_mb_s']} MB/s dec {m['decode_mb_s']} MB/s top1 {m['top1_agreement']}"
+                      + (f" bit_exact {m['bit_exact']} bf16 ratio {m['lossless_bf16_ratio']}"
+                         if mode == "lossless" else ""))
+    return 0
+
+
+def cmd_bench_fuzz(a) -> int:
+    from runtime.bench.fuzz import run
+
+    r = run(a.cases, a.seed)
+    print(json.dumps(r, indent=2) if a.json else
+          f"{r['cases']} mutated checkpoints: {r['rejected']} rejected with one-line errors, "
+          f"{r['accepted_unchanged']} unchanged accepted, {r['failures']} failures")
+    return 0 if r["failures"] == 0 else 1
+
+
 def cmd_bench_zero_copy(a) -> int:
     from runtime.bench.zero_copy import run, table
 
@@ -355,6 +382,14 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--tokens", type=int, default=256, help="generated tokens per run")
     bo.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
     bo.add_argument("--json", action="store_true")
+    bk = add(b, "checkpoint", cmd_bench_checkpoint, "KV codecs: ratio, speed, top-1 agreement")
+    bk.add_argument("--model")
+    bk.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    bk.add_argument("--json", action="store_true")
+    bf = add(b, "fuzz", cmd_bench_fuzz, "mutate a real checkpoint N times; every case must fail cleanly")
+    bf.add_argument("--cases", type=int, default=10000)
+    bf.add_argument("--seed", type=int, default=0)
+    bf.add_argument("--json", action="store_true")
     bz = add(b, "zero-copy", cmd_bench_zero_copy,
              "guest memory exposed to MLX in place vs copied (the seed's table)")
     bz.add_argument("--n", type=int, default=128, help="GEMM size (n x n)")

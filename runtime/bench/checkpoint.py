@@ -1,0 +1,126 @@
+"""``kvferry bench checkpoint``: KV codecs on SmolLM2's real KV cache.
+
+For each context length the model prefills real text; the KV cache is then
+encoded per mode:
+
+- ``ratio``: raw float16 KV bytes / stored bytes, with the KV cast to float16 (as
+  a Metal session holds it) — the issue's yardstick;
+- ``ratio_own_dtype``: the session's own KV dtype (float32 on a CPU) / stored;
+- ``lossless_bf16_ratio``: the same lossless codec on the KV cast to bfloat16;
+- ``encode_mb_s`` / ``decode_mb_s``: raw KV bytes per second, one thread;
+- ``top1_agreement``: teacher-forced over 64 positions: the same reference
+  continuation is fed after the original and after the restored KV; fraction
+  of positions whose argmax agrees;
+- ``bit_exact``: the restored KV equals the original bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from checkpoint import codecs
+
+REFERENCE_TOKENS = 64
+
+
+def _text() -> str:
+    root = Path(__file__).resolve().parents[2]
+    parts = [p.read_text() for p in sorted((root / "docs").glob("*.md"))]
+    parts += [p.read_text() for p in sorted((root / "runtime").glob("*.py"))]
+    return "\n".join(parts)
+
+
+def _encode_all(arrs: list[np.ndarray], dtype: str, mode: str) -> tuple[list[dict], float, int]:
+    half = len(arrs) // 2  # keys first, then values
+    t = time.perf_counter()
+    blobs = [codecs.encode(a, dtype, mode, "keys" if i < half else "values") for i, a in enumerate(arrs)]
+    dt = time.perf_counter() - t
+    size = sum(sum(len(p) for p in b["parts"]) + sum(len(v) for v in b["meta"].values()
+                                                       if isinstance(v, bytes)) for b in blobs)
+    return blobs, dt, size
+
+
+def _decode_all(blobs: list[dict]) -> tuple[list[np.ndarray], float]:
+    t = time.perf_counter()
+    out = [codecs.decode(b, "bench") for b in blobs]
+    return out, time.perf_counter() - t
+
+
+def run(model: str | None = None, contexts=(512, 2048), modes=codecs.MODES) -> dict:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from runtime.models import load
+
+    lm = load(model, progress=False)
+    ids = lm.tokenizer.encode(_text(), add_special_tokens=False)
+    results = {"model": lm.name, "session_kv_dtype": None, "contexts": {}}
+    for ctx in contexts:
+        prompt = ids[:ctx]
+        cache = [KVCache() for _ in lm.model.layers]
+        logits = lm.model(mx.array(prompt)[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        # the reference continuation: what the original session itself says next (greedy)
+        ref_in, tok = [], int(mx.argmax(logits[0, -1]).item())
+        gen = [KVCache() for _ in lm.model.layers]
+        for c, g in zip(cache, gen):
+            g.keys, g.values, g.offset = c.keys[..., :ctx, :], c.values[..., :ctx, :], ctx
+        for _ in range(REFERENCE_TOKENS):
+            ref_in.append(tok)
+            tok = int(mx.argmax(lm.model(mx.array([[tok]]), cache=gen)[0, -1]).item())
+        own = str(cache[0].keys.dtype).split(".")[-1]
+        results["session_kv_dtype"] = own
+        keys = [np.array(c.keys[..., :ctx, :]) for c in cache]
+        vals = [np.array(c.values[..., :ctx, :]) for c in cache]
+        f32 = [np.ascontiguousarray(a).view(np.uint32) for a in keys + vals]
+        f16 = [np.ascontiguousarray(a.astype(np.float16)).view(np.uint16) for a in keys + vals]
+        bf16 = [codecs._from_float32(a, "bfloat16") for a in keys + vals]
+        raw16 = sum(a.nbytes for a in f16)
+        raw_own = sum(a.nbytes for a in f32)
+
+        def teacher_forced(caches) -> np.ndarray:
+            logits = lm.model(mx.array(ref_in)[None], cache=caches)
+            return np.array(mx.argmax(logits[0], axis=-1))
+
+        def fresh(arrs32: list[np.ndarray]):
+            out = []
+            n = len(cache)
+            for i in range(n):
+                c = KVCache()
+                k = mx.array(arrs32[i].view(np.float32))
+                v = mx.array(arrs32[n + i].view(np.float32))
+                c.keys, c.values, c.offset = k, v, ctx
+                out.append(c)
+            return out
+
+        reference = teacher_forced(fresh(f32))
+        row = {}
+        for mode in modes:
+            blobs16, enc16, size16 = _encode_all(f16, "float16", mode)
+            dec16, dec16_t = _decode_all(blobs16)
+            blobs32, enc32, size32 = _encode_all(f32, "float32", mode)
+            dec32, dec32_t = _decode_all(blobs32)
+            agree = float(np.mean(teacher_forced(fresh(dec32)) == reference))
+            r = {
+                "ratio": round(raw16 / size16, 3),
+                "ratio_own_dtype": round(raw_own / size32, 3),
+                "encode_mb_s": round(raw16 / enc16 / 1e6, 1),
+                "decode_mb_s": round(raw16 / dec16_t / 1e6, 1),
+                "encode_mb_s_own_dtype": round(raw_own / enc32 / 1e6, 1),
+                "decode_mb_s_own_dtype": round(raw_own / dec32_t / 1e6, 1),
+                "top1_agreement": round(agree, 4),
+            }
+            if mode == "lossless":
+                r["bit_exact"] = all(np.array_equal(a, b) for a, b in zip(dec16, f16)) and \
+                    all(np.array_equal(a, b) for a, b in zip(dec32, f32))
+                bb, _, sizeb = _encode_all(bf16, "bfloat16", mode)
+                r["lossless_bf16_ratio"] = round(sum(a.nbytes for a in bf16) / sizeb, 3)
+                r["bit_exact_bf16"] = all(np.array_equal(codecs.decode(b, "x"), a) for b, a in zip(bb, bf16))
+            row[mode] = r
+        row["raw_kv_bytes_float16"] = raw16
+        row["raw_kv_bytes_own_dtype"] = raw_own
+        results["contexts"][str(ctx)] = row
+    return results

@@ -1,0 +1,76 @@
+"""``kvferry bench fuzz``: thousands of mutated real checkpoints.
+
+A short SmolLM2 conversation is checkpointed; each case applies one random
+mutation (bit flip, truncation, insertion, deletion, overwrite) and restores.
+Every case must end in a one-line CheckpointError, or, if the mutation left
+the bytes unchanged, in the same session. Anything else (another exception,
+a changed file accepted, a session left behind) counts as a failure.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+
+def mutate(buf: bytearray, rng: random.Random) -> bytearray:
+    op = rng.choice(["flip", "truncate", "insert", "delete", "overwrite"])
+    pos = rng.randrange(len(buf))
+    if op == "flip":
+        buf[pos] ^= 1 << rng.randrange(8)
+    elif op == "truncate":
+        del buf[pos:]
+    elif op == "insert":
+        buf[pos:pos] = rng.randbytes(rng.randint(1, 16))
+    elif op == "delete":
+        del buf[pos:pos + rng.randint(1, 64)]
+    else:
+        chunk = rng.randbytes(rng.randint(1, 32))
+        buf[pos:pos + len(chunk)] = chunk
+    return buf
+
+
+def run(cases: int = 10000, seed: int = 0, model: str | None = None) -> dict:
+    import tempfile
+    from pathlib import Path
+
+    from checkpoint import snapshot
+    from checkpoint.errors import CheckpointError
+    from runtime.host import ModelHost
+    from runtime.session import SamplingParams
+
+    host = ModelHost(model, progress=False)
+    s = host.create_session(sampling=SamplingParams(max_tokens=8))
+    for _ in s.send("Hello!"):
+        pass
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "good.kvf"
+        snapshot.save(s, path)
+        good = path.read_bytes()
+    host.close_session(s.id)
+    rng = random.Random(seed)
+    rejected = unchanged = 0
+    failures: list[str] = []
+    t = time.perf_counter()
+    for _ in range(cases):
+        buf = bytes(mutate(bytearray(good), rng))
+        try:
+            restored = snapshot.restore(host, [buf])
+            if buf != good:
+                failures.append("a changed checkpoint was accepted")
+            unchanged += 1
+            host.close_session(restored.id)
+        except CheckpointError as e:
+            if "\n" in str(e) or not str(e):
+                failures.append(f"multi-line or empty error: {e!r}")
+            rejected += 1
+        except Exception as e:  # noqa: BLE001 - that is the point of a fuzzer
+            failures.append(f"{type(e).__name__}: {e}")
+        if host.sessions:
+            failures.append("a session was left behind")
+            for sid in list(host.sessions):
+                host.close_session(sid)
+    host.close()
+    return {"cases": cases, "checkpoint_bytes": len(good), "rejected": rejected,
+            "accepted_unchanged": unchanged, "failures": len(failures),
+            "failure_examples": failures[:5], "seconds": round(time.perf_counter() - t, 1)}

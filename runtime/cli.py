@@ -45,7 +45,7 @@ def cmd_models_import(a) -> int:
     from runtime.models import store
 
     out = Path(a.out) if a.out else store() / Path(a.file).stem
-    path = import_gguf(a.file, out, progress=not a.quiet, force=a.force)
+    path = import_gguf(a.file, out, progress=not a.quiet, force=a.force, quantize=a.quantize)
     if a.json:
         _print_json({"model": str(path)})
     else:
@@ -367,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("file")
     mi.add_argument("--out", help="output directory (default: the model store)")
     mi.add_argument("--force", action="store_true", help="re-import even if cached")
+    mi.add_argument("--quantize", type=int, choices=[4, 8],
+                    help="re-quantize weights to MLX 4/8-bit, group 64 (for Apple GPUs)")
     mi.add_argument("--quiet", action="store_true", help="no progress bar")
     mi.add_argument("--json", action="store_true")
 

@@ -138,8 +138,13 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 def import_gguf(src: str | os.PathLike, out: str | os.PathLike, *, progress: bool = True,
-                force: bool = False) -> Path:
-    """Convert ``src`` into an MLX model directory at ``out``; cached by content hash."""
+                force: bool = False, quantize: int | None = None) -> Path:
+    """Convert ``src`` into an MLX model directory at ``out``; cached by content hash.
+
+    ``quantize`` (4 or 8) re-quantizes every linear and embedding weight to MLX
+    affine ``quantize``-bit, group 64 — the format Apple GPUs run fastest."""
+    if quantize not in (None, 4, 8):
+        raise ModelFormatError(f"--quantize {quantize}: choose 4 or 8")
     src, out = Path(src), Path(out)
     g = read_header(src)
     cfg = build_config(g)
@@ -149,7 +154,8 @@ def import_gguf(src: str | os.PathLike, out: str | os.PathLike, *, progress: boo
     if not force and marker.exists():
         try:
             info = json.loads(marker.read_text())
-            if info.get("source_sha256") == digest and info.get("converter") == CONVERTER_VERSION:
+            if info.get("source_sha256") == digest and info.get("converter") == CONVERTER_VERSION \
+                    and info.get("quantize") == quantize:
                 return out  # cached
         except (OSError, ValueError):
             pass
@@ -192,6 +198,8 @@ def import_gguf(src: str | os.PathLike, out: str | os.PathLike, *, progress: boo
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        if quantize:
+            weights, cfg = _requantize(weights, cfg, quantize)
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg[k] is not None}
@@ -202,6 +210,7 @@ def import_gguf(src: str | os.PathLike, out: str | os.PathLike, *, progress: boo
             "name": out.name, "imported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "gguf_file_type": _int_or_none(g.get("general.file_type")),
             "tensor_types": sorted({t.type_name for t in g.tensors.values()}),
+            "quantize": quantize,
         }, indent=2))
         if out.exists():
             shutil.rmtree(out)
@@ -210,3 +219,26 @@ def import_gguf(src: str | os.PathLike, out: str | os.PathLike, *, progress: boo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _requantize(weights: dict, cfg: dict, bits: int) -> tuple[dict, dict]:
+    """Dequantize what the GGUF quantized, then quantize every 2-D weight to ``bits``."""
+    import mlx.core as mx
+
+    out: dict = {}
+    q = cfg.get("quantization") or {}
+    for name, arr in weights.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        if base and f"{base}.scales" in weights:
+            b = q.get(base, {}).get("bits", q.get("bits"))
+            arr = mx.dequantize(arr, weights[f"{base}.scales"], weights[f"{base}.biases"], 32, b)
+        if base and arr.ndim == 2 and arr.shape[-1] % 64 == 0:
+            w, s, bi = mx.quantize(arr.astype(mx.float16), group_size=64, bits=bits)
+            out[name], out[f"{base}.scales"], out[f"{base}.biases"] = w, s, bi
+        else:
+            out[name] = arr
+    cfg = {k: v for k, v in cfg.items() if k not in ("quantization", "quantization_config")}
+    cfg["quantization"] = cfg["quantization_config"] = {"group_size": 64, "bits": bits, "mode": "affine"}
+    return out, cfg

@@ -118,3 +118,18 @@ def test_cli_bad_gguf_is_one_line(tiny_gguf, tmp_path):
     assert r.returncode == 2
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("kvferry: bad.gguf: truncated"), r.stderr
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_at_import(tmp_path, bits):
+    hf = write_tiny_gguf(tmp_path / "t.gguf", qtype="F16")
+    out = import_gguf(tmp_path / "t.gguf", tmp_path / "m", progress=False, quantize=bits)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 64, "bits": bits, "mode": "affine"}
+    native = load(out, dtype="native")
+    import mlx.nn as nn
+    assert isinstance(native.model.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
+    assert native.model.model.layers[0].mlp.up_proj.bits == bits
+    f32 = load(out, dtype="float32")
+    q = np.array(f32.model.model.layers[1].self_attn.q_proj.weight)
+    assert np.abs(q - hf["model.layers.1.self_attn.q_proj.weight"]).max() < (0.05 if bits == 4 else 0.005)

@@ -137,9 +137,13 @@ class Snapshotter:
                     body["values"] = self._blob(c.values)
                 yield self.w.frame(KV, body)
         history = np.asarray(s.history, dtype=np.int32)
+        turn = None
+        if s.turn is not None:
+            turn = {"n_prompt": s.turn.n_prompt, "record": s.turn.record, "tokens": list(s.turn.tokens),
+                    "texts": list(s.turn.texts)}
         yield self.w.frame(STATE, {
             "n_tokens": len(s.history), "history": codecs.encode_bytes(history.tobytes()),
-            "messages": s.messages, "sampling": _plain(asdict(s.sampling)),
+            "messages": s.messages, "sampling": _plain(asdict(s.sampling)), "turn": turn,
         })
         g = s.guest
         size = g.arena.size
@@ -389,6 +393,15 @@ class Restorer:
             session.cache = caches
             session.history = history.tolist()
             session.messages = list(st.get("messages") or [])
+            turn = st.get("turn")
+            if turn is not None:
+                toks, texts = turn.get("tokens"), turn.get("texts")
+                if not (isinstance(toks, list) and isinstance(texts, list) and len(toks) == len(texts)
+                        and all(isinstance(t, int) and 0 <= t < vocab for t in toks)
+                        and all(isinstance(t, str) for t in texts)):
+                    raise CheckpointError("state frame: malformed turn in progress")
+                session.restore_turn(int(turn.get("n_prompt", 0)), bool(turn.get("record", True)),
+                                     toks, texts)
         except BaseException:
             session.close()
             raise

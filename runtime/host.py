@@ -72,6 +72,7 @@ class ModelHost:
         self._modules: dict[str, GuestModule] = {}
         self._token_bytes: dict[int, bytes] = {}
         self.lock = threading.RLock()
+        self.compute = threading.Lock()  # one model step at a time: MLX work is serialised
 
     def guest_module(self, guest: str | Path | None) -> GuestModule:
         path = str(guest or DEFAULT_GUEST)

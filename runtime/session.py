@@ -113,6 +113,16 @@ class TurnStats:
     tokens: list[int] = field(default_factory=list)
 
 
+@dataclass
+class TurnState:
+    """A turn in progress: what a checkpoint taken mid-generation must carry."""
+    n_prompt: int
+    record: bool
+    tokens: list[int]
+    texts: list[str]  # the text streamed with each token
+    stream: "_TextStream"
+
+
 class _TextStream:
     """Streaming detokenization that holds back a possible stop-string prefix."""
 
@@ -190,6 +200,7 @@ class Session:
         self.messages: list[dict] = []
         self._logits = None
         self.last = TurnStats()
+        self.turn: TurnState | None = None
         self.closed = False
         if configure:  # restored sessions bring their guest memory (config, PRNG) instead
             self.configure(sampling)
@@ -319,6 +330,8 @@ class Session:
         return full[common:]
 
     def _turn(self, full: list[int], record: bool) -> Iterator[TokenEvent]:
+        if self.turn is not None:
+            raise SessionError(f"session {self.id}: a turn is already in progress")
         # With --ctx the cache slides, so only this turn's new tokens must fit.
         if self.options.ctx is None and len(full) >= self.context:
             raise PromptTooLongError(f"prompt is {len(full)} tokens, the context holds {self.context}")
@@ -329,24 +342,46 @@ class Session:
         self.guest.write(ptr, np.asarray(new, dtype=np.int32))
         if self.guest.call("kvferry_chat_begin", ptr, len(new)) < 0:
             raise SessionError(f"guest '{self.guest.name}' refused a turn of {len(new)} tokens")
-        return self._steps(len(new), record)
+        self.turn = TurnState(n_prompt=len(new), record=record, tokens=[], texts=[],
+                              stream=_TextStream(self.lm.tokenizer, self.sampling.stop))
+        return self._steps()
 
-    def _steps(self, n_prompt: int, record: bool) -> Iterator[TokenEvent]:
-        stats = TurnStats(prompt_tokens=n_prompt)
+    def continue_turn(self, from_index: int = 0) -> Iterator[TokenEvent]:
+        """Continue the turn in progress (e.g. after a migration): first re-send the
+        tokens from ``from_index`` the client has not seen, then generate on."""
+        if self.turn is None:
+            raise SessionError(f"session {self.id} has no turn in progress")
+        return self._steps(replay_from=from_index)
+
+    def restore_turn(self, n_prompt: int, record: bool, tokens: list[int], texts: list[str]) -> None:
         stream = _TextStream(self.lm.tokenizer, self.sampling.stop)
+        for t in tokens:
+            stream.det.add_token(t)
+        stream.emitted = sum(len(x) for x in texts)
+        self.turn = TurnState(n_prompt=n_prompt, record=record, tokens=list(tokens), texts=list(texts),
+                              stream=stream)
+
+    def _steps(self, replay_from: int | None = None) -> Iterator[TokenEvent]:
+        turn = self.turn
+        if replay_from is not None:
+            for i in range(max(0, replay_from), len(turn.tokens)):
+                yield TokenEvent(turn.tokens[i], turn.texts[i], i)
+        stats = TurnStats(prompt_tokens=turn.n_prompt)
         t0 = time.perf_counter()
         t_first = None
         finish = None
         stopped_by_string = False
-        i = 0
+        n_new = 0
         while True:
+            i = len(turn.tokens)
             if i >= self.sampling.max_tokens:
                 finish = "length"  # the host's hard limit, whatever the guest does
                 break
             if len(self.history) + 1 >= self.context and self.options.ctx is None:
                 finish = "length"
                 break
-            tok = self.guest.call("kvferry_chat_step")
+            with self.host.compute:
+                tok = self.guest.call("kvferry_chat_step")
             if tok < 0:
                 if tok not in STOP_CODES:
                     raise SessionError(f"guest '{self.guest.name}' returned unknown code {tok}")
@@ -360,22 +395,25 @@ class Session:
             now = time.perf_counter()
             if t_first is None:
                 t_first = now
-                stats.prompt_tps = n_prompt / max(now - t0, 1e-9)
-            stats.tokens.append(tok)
-            text = stream.add(tok)
-            i += 1
-            yield TokenEvent(tok, text, i - 1)
+                stats.prompt_tps = turn.n_prompt / max(now - t0, 1e-9) if replay_from is None else 0.0
+            text = turn.stream.add(tok)
+            turn.tokens.append(tok)
+            turn.texts.append(text)
+            n_new += 1
+            yield TokenEvent(tok, text, i)
         t_end = time.perf_counter()
-        tail = stream.finish(stopped_by_string)
+        tail = turn.stream.finish(stopped_by_string)
         stats.finish_reason = finish
-        stats.generation_tokens = len(stats.tokens)
-        if t_first is not None and len(stats.tokens) > 1:
-            stats.generation_tps = (len(stats.tokens) - 1) / max(t_end - t_first, 1e-9)
-        stats.text = stream.final_text
+        stats.tokens = list(turn.tokens)
+        stats.generation_tokens = len(turn.tokens)
+        if t_first is not None and n_new > 1:
+            stats.generation_tps = (n_new - 1) / max(t_end - t_first, 1e-9)
+        stats.text = turn.stream.final_text
         self.last = stats
-        if record:
+        self.turn = None
+        if turn.record:
             self.messages.append({"role": "assistant", "content": stats.text})
-        yield TokenEvent(-1, tail, i, finish)
+        yield TokenEvent(-1, tail, len(turn.tokens), finish)
 
     # -- reporting ---------------------------------------------------------------
     def memory(self) -> dict:

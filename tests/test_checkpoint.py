@@ -272,3 +272,24 @@ def test_cli_save_verify_inspect_resume(smollm_dir, tmp_path):
     assert v.returncode == 1 and "checksum mismatch" in v.stderr and len(v.stderr.strip().splitlines()) == 1
     g = kvferry("generate", "--resume", str(bad), "--prompt", "hi")
     assert g.returncode == 2 and g.stderr.startswith("kvferry: frame ") and len(g.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "seeded"])
+def test_mid_turn_checkpoint_continues_the_turn(host, sampling, tmp_path):
+    """A checkpoint taken between two steps of a turn continues that very turn."""
+    twin = host.create_session(sampling=sampling)
+    full = [e for e in twin.send("keep talking") if e.token >= 0]
+    a = host.create_session(sampling=sampling)
+    it = a.send("keep talking")
+    head = [next(it) for _ in range(5)]
+    data = b"".join(snapshot.snapshot(a))
+    host.close_session(a.id)
+    b = snapshot.restore(host, [data])
+    assert b.turn is not None and b.turn.tokens == [e.token for e in head]
+    rest = [e for e in b.continue_turn(from_index=3) if e.token >= 0]
+    assert [e.index for e in rest][:2] == [3, 4]  # replayed what the client lacked
+    got = [e.token for e in head[:3]] + [e.token for e in rest]
+    assert got == [e.token for e in full]
+    assert "".join(e.text for e in head[:3]) + "".join(e.text for e in rest) == \
+        "".join(e.text for e in full)
+    assert b.messages == twin.messages

@@ -289,8 +289,9 @@ class Restorer:
                                       f"[1, {heads}, {t1 - t0}, {hd}]")
         self.chunks[i].append((t0, t1, ("f", (k, b["keys"]["dtype"]), (v, b["values"]["dtype"]))))
 
-    def commit(self) -> "Session":
-        """Build the session from everything applied; only now is it registered."""
+    def commit(self, register: bool = True) -> "Session":
+        """Build the session from everything applied; only now is it registered
+        (``register=False``: built but not registered — a migration's prepare phase)."""
         import mlx.core as mx
         from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
@@ -405,6 +406,8 @@ class Restorer:
         except BaseException:
             session.close()
             raise
+        if not register:
+            return session
         with self.host.lock:
             if session.id in self.host.sessions:
                 session.close()

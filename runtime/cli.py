@@ -306,6 +306,94 @@ def cmd_guest_check(a) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- serve / SDK
+
+DEFAULT_HOST = "127.0.0.1:50051"
+
+
+def _tls(a, prefix: str = "tls") -> dict | None:
+    cert, key, ca = (getattr(a, f"{prefix}_{k}", None) for k in ("cert", "key", "ca"))
+    return {"cert": cert, "key": key, "ca": ca} if (cert or ca) else None
+
+
+def cmd_serve(a) -> int:
+    from runtime.cluster import ensure_token, serve
+
+    bind = f"{a.bind}:{a.port}"
+    token = ensure_token(a.token, a.no_auth)
+    if a.no_auth:
+        from runtime.server import is_loopback
+        if not is_loopback(a.bind):
+            raise KvferryError(f"--no-auth is only allowed on a loopback address, not {a.bind}")
+
+    def ready(addr: str) -> None:
+        print(f"kvferry serving on {addr} (model {a.model or 'SmolLM2-135M-Instruct'}, "
+              f"auth {'off' if token is None else 'token'}, "
+              f"TLS {'mutual' if a.tls_ca and a.tls_cert else 'on' if a.tls_cert else 'off'})", flush=True)
+
+    serve(a.model, bind, token, address=a.address, allow_no_auth=a.no_auth, tls=_tls(a),
+          client_tls=_tls(a, "peer_tls"), ready=ready)
+    return 0
+
+
+def _client(a):
+    from runtime.sdk import Client
+    from runtime.server import TLSConfig
+
+    t = _tls(a, "tls")
+    return Client(a.host or os.environ.get("KVFERRY_HOST", DEFAULT_HOST), a.token,
+                  tls=TLSConfig(**t) if t else None)
+
+
+def cmd_sessions(a) -> int:
+    rows = _client(a).sessions()
+    if a.json:
+        _print_json(rows)
+    else:
+        print(f"{'ID':14} {'HOST':22} {'TOKENS':>7} {'KV MB':>7} {'GUEST':12} TURN")
+        for r in rows:
+            print(f"{r['id']:14} {r['host']:22} {r['tokens']:>7} {r['kv_bytes'] / 1e6:>7.1f} "
+                  f"{r['guest']:12} {'yes' if r['in_turn'] else ''}")
+    return 0
+
+
+def cmd_hosts(a) -> int:
+    rows = _client(a).hosts()
+    if a.json:
+        _print_json(rows)
+    else:
+        print(f"{'ADDRESS':22} {'NODE':16} {'MODEL':26} {'SESSIONS':>8} HEALTHY")
+        for r in rows:
+            print(f"{r['address']:22} {r['node']:16} {r['model']:26} {r['sessions']:>8} {r['healthy']}")
+    return 0
+
+
+def cmd_migrate(a) -> int:
+    from tqdm import tqdm
+
+    c = _client(a)
+    s = c.session(a.session)
+    bar = tqdm(total=None, unit="B", unit_scale=True, desc=f"migrate {a.session}", disable=a.json,
+               leave=False)
+
+    def progress(p):
+        bar.total = bar.total or None
+        bar.n = p.bytes_sent
+        bar.set_postfix_str(f"frames {p.frames_sent}/{p.frames_total}")
+        bar.refresh()
+
+    m = s.migrate(a.to, to_token=a.to_token, mode=a.mode, live=a.live, progress=progress)
+    bar.close()
+    out = {"session": a.session, "target": m.target, "bytes": m.bytes, "seconds": round(m.seconds, 4),
+           "raw_kv_bytes": m.raw_kv_bytes, "ratio": round(m.ratio, 3), "tokens": m.tokens}
+    if a.json:
+        _print_json(out)
+    else:
+        print(f"migrated {a.session} to {m.target}: {m.bytes} bytes in {m.seconds * 1000:.1f} ms "
+              f"({m.tokens} tokens, KV ratio {m.ratio:.2f})")
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -354,6 +442,42 @@ def build_parser() -> argparse.ArgumentParser:
     ci.add_argument("--json", action="store_true")
     cv = add(cp, "verify", cmd_checkpoint_verify, "exit 0 only if every frame and the trailer check out")
     cv.add_argument("file")
+
+    def tls_args(sp, prefix="tls", what="server"):
+        sp.add_argument(f"--{prefix.replace('_', '-')}-cert", dest=f"{prefix}_cert", help=f"{what} certificate (PEM)")
+        sp.add_argument(f"--{prefix.replace('_', '-')}-key", dest=f"{prefix}_key", help=f"{what} key (PEM)")
+        sp.add_argument(f"--{prefix.replace('_', '-')}-ca", dest=f"{prefix}_ca",
+                        help="CA to verify peers (on a server: require client certificates, mutual TLS)")
+
+    sv = add(sub, "serve", cmd_serve, "run a session host on this machine (Ray + gRPC)")
+    sv.add_argument("--model")
+    sv.add_argument("--bind", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=50051)
+    sv.add_argument("--token", help="shared secret (default: $KVFERRY_TOKEN or $KVFERRY_HOME/token)")
+    sv.add_argument("--no-auth", action="store_true", help="no token (loopback addresses only)")
+    sv.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or an embedded Ray)")
+    tls_args(sv)
+    tls_args(sv, "peer_tls", "client certificate for outgoing migrations:")
+
+    def client_args(sp):
+        sp.add_argument("--host", help=f"session host (default: $KVFERRY_HOST or {DEFAULT_HOST})")
+        sp.add_argument("--token", help="default: $KVFERRY_TOKEN or $KVFERRY_HOME/token")
+        tls_args(sp, "tls", "client")
+        sp.add_argument("--json", action="store_true")
+
+    ss = add(sub, "sessions", cmd_sessions, "list the sessions on a host")
+    client_args(ss)
+    hs = add(sub, "hosts", cmd_hosts, "list the hosts of the cluster")
+    client_args(hs)
+    mg = add(sub, "migrate", cmd_migrate, "move a session to another host")
+    mg.add_argument("session")
+    mg.add_argument("--to", required=True, help="target host address")
+    mg.add_argument("--to-token", help="the target's token if it differs")
+    mg.add_argument("--mode", default="lossless", choices=["lossless", "int8", "int4"])
+    mode = mg.add_mutually_exclusive_group()
+    mode.add_argument("--live", action="store_true", help="pre-copy live migration")
+    mode.add_argument("--stop-copy", action="store_true", help="stop-and-copy (the default for now)")
+    client_args(mg)
 
     d = add(sub, "demo", cmd_demo, "hold a short conversation on a local Ray (embedded defaults)")
     d.add_argument("--model", help="model name, directory or .gguf (default: SmolLM2-135M-Instruct)")

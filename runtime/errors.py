@@ -19,3 +19,7 @@ class ModelNotFoundError(KvferryError):
 
 class ConfigError(KvferryError):
     """An option value is unknown, out of range or contradicts another."""
+
+
+class ModelMismatchError(KvferryError):
+    """A session or checkpoint belongs to another model than the host serves."""

@@ -1,0 +1,204 @@
+"""Ray: session-host actors and the controller that keeps the session directory.
+
+- ``Controller``: a named, detached actor (``kvferry-controller`` in namespace
+  ``kvferry``): hosts and their health (heartbeats), the directory session id ->
+  host address, placement (least loaded healthy host, or a requested one).
+- ``SessionHost``: one per machine (or accelerator). Loads the model once,
+  hosts many sessions, serves them over gRPC (:class:`runtime.server.HostServer`)
+  and reports to the controller.
+
+``serve`` runs one host on this node: with an embedded Ray (the default) or on
+an existing cluster (``--address`` / ``$RAY_ADDRESS``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import threading
+import time
+from typing import Any
+
+import ray
+
+from . import blas
+
+NAMESPACE = "kvferry"
+CONTROLLER = "kvferry-controller"
+HEARTBEAT_S = 2.0
+UNHEALTHY_AFTER_S = 10.0
+
+
+@ray.remote(num_cpus=0)
+class Controller:
+    def __init__(self) -> None:
+        self.hosts: dict[str, dict] = {}
+        self.directory: dict[str, str] = {}
+
+    def register_host(self, address: str, model: str, node: str) -> None:
+        self.hosts[address] = {"address": address, "model": model, "node": node, "sessions": 0,
+                               "last_seen": time.time()}
+
+    def unregister_host(self, address: str) -> None:
+        self.hosts.pop(address, None)
+
+    def heartbeat(self, address: str, sessions: int) -> None:
+        if address in self.hosts:
+            self.hosts[address].update(sessions=sessions, last_seen=time.time())
+
+    def hosts_list(self) -> list[dict]:
+        now = time.time()
+        return [{**h, "healthy": now - h["last_seen"] < UNHEALTHY_AFTER_S} for h in self.hosts.values()]
+
+    def hosts(self) -> list[dict]:
+        return self.hosts_list()
+
+    def place(self, requested: str | None = None, model: str | None = None) -> str | None:
+        healthy = [h for h in self.hosts_list() if h["healthy"] and (model is None or h["model"] == model)]
+        if requested:
+            return requested if any(h["address"] == requested for h in healthy) else None
+        return min(healthy, key=lambda h: h["sessions"])["address"] if healthy else None
+
+    def register_session(self, sid: str, address: str) -> None:
+        self.directory[sid] = address
+
+    def forget_session(self, sid: str) -> None:
+        self.directory.pop(sid, None)
+
+    def lookup(self, sid: str) -> str | None:
+        return self.directory.get(sid)
+
+    def move(self, sid: str, src: str, dst: str) -> bool:
+        """Atomic switch: only if the session is still recorded at ``src``."""
+        if self.directory.get(sid, src) != src:
+            return False
+        self.directory[sid] = dst
+        return True
+
+    def directory_snapshot(self) -> dict[str, str]:
+        return dict(self.directory)
+
+
+def controller() -> Any:
+    return Controller.options(name=CONTROLLER, namespace=NAMESPACE, lifetime="detached",
+                              get_if_exists=True).remote()
+
+
+@ray.remote(num_cpus=1, max_concurrency=8)
+class SessionHost:
+    def __init__(self, model: str | None, bind: str, token: str | None, allow_no_auth: bool = False,
+                 tls: dict | None = None, client_tls: dict | None = None, dtype: str = "auto") -> None:
+        import runtime  # noqa: F401  (optimized BLAS before MLX)
+        from .host import ModelHost
+        from .ray_host import warmup
+        from .server import HostServer, TLSConfig
+
+        self.host = ModelHost(model, dtype=dtype, progress=False)
+        warmup(self.host.lm)
+        self.ctl = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+        node = ray.util.get_node_ip_address()
+        self.srv = HostServer(self.host, bind, token=token, allow_no_auth=allow_no_auth,
+                              tls=TLSConfig(**tls) if tls else None,
+                              client_tls=TLSConfig(**client_tls) if client_tls else None,
+                              directory=self.ctl, node=node).start()
+        ray.get(self.ctl.register_host.remote(self.srv.address, self.host.lm.name, node))
+        self._stop = threading.Event()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.ctl.heartbeat.remote(self.srv.address, len(self.host.sessions))
+            except Exception:
+                pass
+
+    def address(self) -> str:
+        return self.srv.address
+
+    def info(self) -> dict:
+        return {"address": self.srv.address, "model": self.host.lm.name, "pid": os.getpid(),
+                "sessions": list(self.host.sessions), "blas": blas.status()["kind"]}
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            ray.get(self.ctl.unregister_host.remote(self.srv.address), timeout=5)
+        except Exception:
+            pass
+        self.srv.stop(0.5)
+
+
+def init_ray(address: str | None = None) -> bool:
+    """Connect to a cluster, or start an embedded one bound to loopback. Returns
+    True when the Ray instance is ours (embedded)."""
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    env = {"env_vars": blas.worker_env()}
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, runtime_env=env, log_to_driver=False)
+        return False
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, namespace=NAMESPACE,
+             runtime_env=env, log_to_driver=False, configure_logging=False)
+    return True
+
+
+def ensure_token(token: str | None, no_auth: bool) -> str | None:
+    """The token to serve with: given, ``$KVFERRY_TOKEN``, or one generated once and
+    kept in ``$KVFERRY_HOME/token`` (mode 0600) so local clients find it."""
+    if no_auth:
+        return None
+    if token or (token := os.environ.get("KVFERRY_TOKEN")):
+        return token
+    p = blas.home() / "token"
+    if p.exists():
+        return p.read_text().strip()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tok = secrets.token_urlsafe(32)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(tok + "\n")
+    return tok
+
+
+def start_host(model: str | None, bind: str, token: str | None, *, allow_no_auth: bool = False,
+               tls: dict | None = None, client_tls: dict | None = None, node_id: str | None = None):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    controller()
+    node_id = node_id or ray.get_runtime_context().get_node_id()
+    actor = SessionHost.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        runtime_env={"env_vars": blas.worker_env()},
+    ).remote(model, bind, token, allow_no_auth, tls, client_tls)
+    return actor, ray.get(actor.address.remote())
+
+
+def serve(model: str | None, bind: str, token: str | None, *, address: str | None = None,
+          allow_no_auth: bool = False, tls: dict | None = None, client_tls: dict | None = None,
+          ready: Any = None) -> None:
+    """Run one session host on this node until SIGINT/SIGTERM."""
+    own = init_ray(address)
+    actor, addr = start_host(model, bind, token, allow_no_auth=allow_no_auth, tls=tls, client_tls=client_tls)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if ready:
+        ready(addr)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        try:
+            ray.get(actor.stop.remote(), timeout=10)
+        except Exception:
+            pass
+        ray.kill(actor)
+        if own:
+            try:
+                ray.kill(ray.get_actor(CONTROLLER, namespace=NAMESPACE))
+            except Exception:
+                pass
+            ray.shutdown()

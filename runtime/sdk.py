@@ -1,0 +1,412 @@
+"""The kvferry Python SDK: talk to session hosts over gRPC.
+
+    from runtime import Client
+    client = Client("127.0.0.1:50051", token="...")
+    s = client.create_session(temperature=0.0, max_tokens=64)
+    for piece in s.send("Hello!"):
+        print(piece, end="")
+    s.migrate(to="10.0.0.2:50051")      # the conversation moves; keep chatting
+    for piece in s.send("And then?"):
+        ...
+
+``AsyncClient`` offers the same with ``async``/``await``. Errors are typed:
+:class:`AuthError`, :class:`UnknownSessionError`, :class:`HostDownError`,
+:class:`ModelMismatchError`, :class:`RemoteError`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterator
+
+import grpc
+
+from proto import kvferry_pb2 as pb
+from proto import kvferry_pb2_grpc as pbg
+
+from .errors import KvferryError
+from .server import TLSConfig, auth_metadata, channel, grpc_options
+
+
+class RemoteError(KvferryError):
+    """The host refused or failed the call; the message says why."""
+
+
+class AuthError(RemoteError):
+    pass
+
+
+class UnknownSessionError(RemoteError):
+    pass
+
+
+class HostDownError(RemoteError):
+    pass
+
+
+class ModelMismatchError(RemoteError):
+    pass
+
+
+def _translate(e: grpc.RpcError, address: str) -> RemoteError:
+    code, details = e.code(), (e.details() or "")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AuthError(f"{address}: auth failed (missing or wrong token)")
+    if code == grpc.StatusCode.NOT_FOUND:
+        return UnknownSessionError(f"{address}: {details}")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return HostDownError(f"{address}: host down or unreachable ({code.name.lower()})")
+    if "model mismatch" in details:
+        return ModelMismatchError(f"{address}: {details}")
+    return RemoteError(f"{address}: {details or code.name.lower()}")
+
+
+def default_token() -> str | None:
+    """``$KVFERRY_TOKEN``, else the token ``kvferry serve`` wrote for this user."""
+    if tok := os.environ.get("KVFERRY_TOKEN"):
+        return tok
+    from .blas import home
+
+    p = home() / "token"
+    return p.read_text().strip() if p.exists() else None
+
+
+def _sampling(kw: dict) -> pb.Sampling:
+    return pb.Sampling(temperature=kw.pop("temperature", 0.0), top_p=kw.pop("top_p", 1.0),
+                       top_k=kw.pop("top_k", 0), max_tokens=kw.pop("max_tokens", 256),
+                       seed=kw.pop("seed", 0), stop=list(kw.pop("stop", ())),
+                       ignore_eos=kw.pop("ignore_eos", False))
+
+
+def _options(kw: dict) -> pb.Options:
+    return pb.Options(ctx=kw.pop("ctx", None) or 0, prefill_step=kw.pop("prefill_step", 0),
+                      kv_bits=kw.pop("kv_bits", None) or 0, deadline_ms=kw.pop("deadline_ms", 0.0))
+
+
+def _guest_bytes(guest: str | os.PathLike | bytes | None) -> bytes:
+    if guest is None:
+        return b""
+    if isinstance(guest, bytes):
+        return guest
+    return Path(guest).read_bytes()
+
+
+@dataclass
+class Migration:
+    target: str
+    bytes: int
+    seconds: float
+    raw_kv_bytes: int
+    tokens: int
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_kv_bytes / self.bytes if self.bytes else 0.0
+
+
+class Client:
+    """A connection to one session host (any host of a cluster can list the others)."""
+
+    def __init__(self, address: str, token: str | None = None, *, tls: TLSConfig | None = None,
+                 timeout: float = 600.0):
+        self.address = address
+        self.token = token if token is not None else default_token()
+        self.tls = tls
+        self.timeout = timeout
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def _stub(self, address: str | None = None) -> pbg.SessionsStub:
+        address = address or self.address
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = channel(address, self.tls)
+        return pbg.SessionsStub(ch)
+
+    def _call(self, name: str, request: Any, address: str | None = None, **kw) -> Any:
+        try:
+            return getattr(self._stub(address), name)(request, metadata=auth_metadata(self.token),
+                                                      timeout=kw.pop("timeout", self.timeout), **kw)
+        except grpc.RpcError as e:
+            raise _translate(e, address or self.address) from None
+
+    def close(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- cluster -----------------------------------------------------------------
+    def health(self) -> dict:
+        r = self._call("Health", pb.Empty(), timeout=10)
+        return {"status": r.status, "address": r.address, "model": r.model, "sessions": r.sessions,
+                "version": r.version, "node": r.node, "fingerprint": r.fingerprint}
+
+    def hosts(self) -> list[dict]:
+        return [{"address": h.address, "model": h.model, "sessions": h.sessions, "healthy": h.healthy,
+                 "node": h.node, "last_seen": h.last_seen} for h in self._call("ListHosts", pb.Empty()).hosts]
+
+    def sessions(self) -> list[dict]:
+        return [_info(s) for s in self._call("ListSessions", pb.Empty()).sessions]
+
+    # -- sessions ----------------------------------------------------------------
+    def create_session(self, model: str | None = None, guest: str | os.PathLike | bytes | None = None,
+                       *, system: str | None = None, session_id: str | None = None,
+                       **sampling_and_options) -> "RemoteSession":
+        """``sampling_and_options``: temperature, top_p, top_k, max_tokens, seed, stop,
+        ignore_eos, ctx, prefill_step, kv_bits, deadline_ms."""
+        kw = dict(sampling_and_options)
+        req = pb.CreateRequest(guest_wasm=_guest_bytes(guest), sampling=_sampling(kw),
+                               options=_options(kw), model=model or "", system=system or "",
+                               session_id=session_id or "")
+        if kw:
+            raise TypeError(f"unknown session options: {', '.join(kw)}")
+        info = self._call("CreateSession", req)
+        return RemoteSession(self, info.id, info.host or self.address)
+
+    def session(self, session_id: str, host: str | None = None) -> "RemoteSession":
+        return RemoteSession(self, session_id, host or self.address)
+
+    def restore(self, path: str | os.PathLike, host: str | None = None) -> "RemoteSession":
+        def chunks():
+            with open(path, "rb") as f:
+                while data := f.read(4 << 20):
+                    yield pb.CheckpointChunk(data=data)
+        info = self._call("Restore", chunks(), address=host)
+        return RemoteSession(self, info.id, info.host or host or self.address)
+
+
+def _info(s: pb.SessionInfo) -> dict:
+    return {"id": s.id, "host": s.host, "tokens": s.tokens, "guest": s.guest, "kv_bytes": s.kv_bytes,
+            "arena_bytes": s.arena_bytes, "model": s.model, "in_turn": s.in_turn}
+
+
+class RemoteSession:
+    """A handle on a session; follows it when it migrates."""
+
+    def __init__(self, client: Client, session_id: str, host: str):
+        self.client, self.id, self.host = client, session_id, host
+        self.last: dict = {}
+
+    def __repr__(self) -> str:
+        return f"RemoteSession({self.id!r} on {self.host})"
+
+    def events(self, text: str, role: str = "user") -> Iterator[pb.TokenChunk]:
+        """Token chunks as they arrive, continuing across migrations."""
+        req = pb.SendRequest(session_id=self.id, text=text, role=role)
+        next_index = 0
+        for _ in range(8):  # at most a few hops per turn
+            moved = None
+            try:
+                for c in self.client._stub(self.host).Send(req, metadata=auth_metadata(self.client.token),
+                                                          timeout=self.client.timeout):
+                    if c.moved_to:
+                        moved = c.moved_to
+                        break
+                    if c.token >= 0:
+                        if c.index < next_index:
+                            continue  # never repeat a token
+                        next_index = c.index + 1
+                    else:
+                        self.last = {"finish_reason": c.finish_reason, "tokens": next_index,
+                                     "prompt_tokens": c.stats.prompt_tokens,
+                                     "generation_tps": c.stats.generation_tps,
+                                     "prompt_tps": c.stats.prompt_tps}
+                    yield c
+            except grpc.RpcError as e:
+                raise _translate(e, self.host) from None
+            if moved is None:
+                return
+            self.host = moved
+            req = pb.SendRequest(session_id=self.id, continue_turn=True, from_index=next_index)
+        raise RemoteError(f"session {self.id} kept moving; giving up")
+
+    def send(self, text: str, role: str = "user") -> Iterator[str]:
+        """Yield the reply's text pieces as they arrive."""
+        for c in self.events(text, role):
+            if c.text:
+                yield c.text
+
+    def migrate(self, to: str, *, to_token: str | None = None, mode: str = "lossless",
+                live: bool = False, progress: Callable[[pb.MigrateProgress], None] | None = None) -> Migration:
+        req = pb.MigrateRequest(session_id=self.id, target=to, target_token=to_token or "", mode=mode,
+                                live=live)
+        last = None
+        try:
+            for p in self.client._stub(self.host).Migrate(req, metadata=auth_metadata(self.client.token),
+                                                          timeout=self.client.timeout):
+                last = p
+                if progress:
+                    progress(p)
+        except grpc.RpcError as e:
+            raise _translate(e, self.host) from None
+        if last is None or not last.done:
+            raise RemoteError(f"migration of {self.id} to {to} did not complete")
+        self.host = to
+        return Migration(to, last.bytes_sent, last.seconds, last.raw_kv_bytes, last.tokens)
+
+    def snapshot(self, path: str | os.PathLike, mode: str = "lossless") -> dict:
+        tmp = f"{path}.part"
+        n = 0
+        try:
+            with open(tmp, "wb") as f:
+                for c in self.client._stub(self.host).Snapshot(
+                        pb.SnapshotRequest(session_id=self.id, mode=mode),
+                        metadata=auth_metadata(self.client.token), timeout=self.client.timeout):
+                    f.write(c.data)
+                    n += len(c.data)
+        except grpc.RpcError as e:
+            os.unlink(tmp)
+            raise _translate(e, self.host) from None
+        os.replace(tmp, path)
+        return {"path": str(path), "bytes": n}
+
+    def info(self) -> dict:
+        for s in self.client._call("ListSessions", pb.Empty(), address=self.host).sessions:
+            if s.id == self.id:
+                return _info(s)
+        raise UnknownSessionError(f"{self.host}: unknown session '{self.id}'")
+
+    def close(self) -> None:
+        self.client._call("Close", pb.SessionRef(session_id=self.id), address=self.host)
+
+
+# ----------------------------------------------------------------------------- asyncio
+
+class AsyncClient:
+    """``Client`` for asyncio programs (grpc.aio)."""
+
+    def __init__(self, address: str, token: str | None = None, *, tls: TLSConfig | None = None,
+                 timeout: float = 600.0):
+        self.address = address
+        self.token = token if token is not None else default_token()
+        self.tls = tls
+        self.timeout = timeout
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str | None = None) -> pbg.SessionsStub:
+        address = address or self.address
+        ch = self._channels.get(address)
+        if ch is None:
+            if self.tls is not None and (self.tls.ca or self.tls.cert):
+                ch = grpc.aio.secure_channel(address, self.tls.channel_credentials(), options=grpc_options())
+            else:
+                ch = grpc.aio.insecure_channel(address, options=grpc_options())
+            self._channels[address] = ch
+        return pbg.SessionsStub(ch)
+
+    async def _call(self, name: str, request: Any, address: str | None = None) -> Any:
+        try:
+            return await getattr(self._stub(address), name)(request, metadata=auth_metadata(self.token),
+                                                            timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise _translate(e, address or self.address) from None
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def health(self) -> dict:
+        r = await self._call("Health", pb.Empty())
+        return {"status": r.status, "address": r.address, "model": r.model, "sessions": r.sessions}
+
+    async def hosts(self) -> list[dict]:
+        r = await self._call("ListHosts", pb.Empty())
+        return [{"address": h.address, "model": h.model, "sessions": h.sessions, "healthy": h.healthy}
+                for h in r.hosts]
+
+    async def sessions(self) -> list[dict]:
+        return [_info(s) for s in (await self._call("ListSessions", pb.Empty())).sessions]
+
+    async def create_session(self, model: str | None = None, guest=None, *, system: str | None = None,
+                             session_id: str | None = None, **kw) -> "AsyncRemoteSession":
+        req = pb.CreateRequest(guest_wasm=_guest_bytes(guest), sampling=_sampling(kw), options=_options(kw),
+                               model=model or "", system=system or "", session_id=session_id or "")
+        if kw:
+            raise TypeError(f"unknown session options: {', '.join(kw)}")
+        info = await self._call("CreateSession", req)
+        return AsyncRemoteSession(self, info.id, info.host or self.address)
+
+    async def restore(self, path: str | os.PathLike) -> "AsyncRemoteSession":
+        data = Path(path).read_bytes()
+
+        async def chunks():
+            for i in range(0, len(data), 4 << 20):
+                yield pb.CheckpointChunk(data=data[i:i + (4 << 20)])
+        try:
+            info = await self._stub().Restore(chunks(), metadata=auth_metadata(self.token), timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise _translate(e, self.address) from None
+        return AsyncRemoteSession(self, info.id, info.host or self.address)
+
+
+class AsyncRemoteSession:
+    def __init__(self, client: AsyncClient, session_id: str, host: str):
+        self.client, self.id, self.host = client, session_id, host
+
+    async def send(self, text: str, role: str = "user") -> AsyncIterator[str]:
+        req = pb.SendRequest(session_id=self.id, text=text, role=role)
+        next_index = 0
+        for _ in range(8):
+            moved = None
+            try:
+                async for c in self.client._stub(self.host).Send(req, metadata=auth_metadata(self.client.token),
+                                                                timeout=self.client.timeout):
+                    if c.moved_to:
+                        moved = c.moved_to
+                        break
+                    if c.token >= 0:
+                        if c.index < next_index:
+                            continue
+                        next_index = c.index + 1
+                    if c.text:
+                        yield c.text
+            except grpc.RpcError as e:
+                raise _translate(e, self.host) from None
+            if moved is None:
+                return
+            self.host = moved
+            req = pb.SendRequest(session_id=self.id, continue_turn=True, from_index=next_index)
+        raise RemoteError(f"session {self.id} kept moving; giving up")
+
+    async def migrate(self, to: str, *, to_token: str | None = None, mode: str = "lossless") -> Migration:
+        last = None
+        try:
+            async for p in self.client._stub(self.host).Migrate(
+                    pb.MigrateRequest(session_id=self.id, target=to, target_token=to_token or "", mode=mode),
+                    metadata=auth_metadata(self.client.token), timeout=self.client.timeout):
+                last = p
+        except grpc.RpcError as e:
+            raise _translate(e, self.host) from None
+        if last is None or not last.done:
+            raise RemoteError(f"migration of {self.id} to {to} did not complete")
+        self.host = to
+        return Migration(to, last.bytes_sent, last.seconds, last.raw_kv_bytes, last.tokens)
+
+    async def snapshot(self, path: str | os.PathLike, mode: str = "lossless") -> dict:
+        out = bytearray()
+        try:
+            async for c in self.client._stub(self.host).Snapshot(
+                    pb.SnapshotRequest(session_id=self.id, mode=mode),
+                    metadata=auth_metadata(self.client.token), timeout=self.client.timeout):
+                out += c.data
+        except grpc.RpcError as e:
+            raise _translate(e, self.host) from None
+        Path(path).write_bytes(bytes(out))
+        return {"path": str(path), "bytes": len(out)}
+
+    async def close(self) -> None:
+        await self.client._call("Close", pb.SessionRef(session_id=self.id), address=self.host)

@@ -1,0 +1,575 @@
+"""The gRPC face of a model host: client sessions and host-to-host migration.
+
+One :class:`HostServer` wraps a :class:`runtime.host.ModelHost` and serves
+``kvferry.v1.Sessions`` and ``kvferry.v1.Migration`` on one port. Inside a
+Ray cluster the server runs in a ``SessionHost`` actor and reports to the
+controller's session directory; it also runs standalone.
+
+Concurrency: a session is driven by one thread at a time (its slot lock). A
+migration of a session that is generating runs in the generating thread at the
+next step boundary, so the turn is cut between two steps, moved whole, and the
+client's stream ends with ``moved_to`` — the SDK continues it on the target
+from the next token index: nothing lost, nothing repeated.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import queue
+import socket
+import threading
+import time
+import uuid
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import grpc
+
+from checkpoint import snapshot as ck
+from checkpoint.errors import CheckpointError
+from checkpoint.frames import FrameDecoder
+from proto import kvferry_pb2 as pb
+from proto import kvferry_pb2_grpc as pbg
+
+from .errors import ConfigError, KvferryError, ModelMismatchError
+from .guest import GuestError, GuestTrap
+from .host import ModelHost, UnknownSessionError
+from .session import SamplingParams, SessionError, SessionOptions
+
+MAX_MESSAGE = 64 << 20
+WINDOW = 8  # unacknowledged checkpoint frames in flight
+PREPARED_TTL = 120.0
+
+
+def grpc_options() -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+            ("grpc.keepalive_time_ms", 20000)]
+
+
+@dataclass
+class TLSConfig:
+    cert: str | None = None  # server (or client) certificate chain, PEM path
+    key: str | None = None
+    ca: str | None = None  # CA to verify the peer; on a server it makes TLS mutual
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        pair = [(_read(self.key), _read(self.cert))]
+        if self.ca:
+            return grpc.ssl_server_credentials(pair, root_certificates=_read(self.ca),
+                                               require_client_auth=True)
+        return grpc.ssl_server_credentials(pair)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca) if self.ca else None,
+            private_key=_read(self.key) if self.key else None,
+            certificate_chain=_read(self.cert) if self.cert else None)
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
+    if tls is not None and (tls.ca or tls.cert):
+        return grpc.secure_channel(address, tls.channel_credentials(), options=grpc_options())
+    return grpc.insecure_channel(address, options=grpc_options())
+
+
+def auth_metadata(token: str | None) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")] if token else []
+
+
+# ----------------------------------------------------------------------------- auth
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Every call must carry the shared secret; compared in constant time."""
+
+    def __init__(self, token: str | None):
+        self.expected = f"Bearer {token}".encode() if token else None
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if self.expected is None or handler is None:
+            return handler
+        got = dict(details.invocation_metadata).get("authorization", "")
+        if hmac.compare_digest(got.encode(), self.expected):
+            return handler
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "auth failed: missing or wrong token")
+
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+# ----------------------------------------------------------------------------- slots
+
+@dataclass
+class MigrationTicket:
+    target: str
+    token: str | None
+    mode: str
+    progress: "queue.Queue[Any]" = field(default_factory=queue.Queue)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    committed: bool = False
+
+
+@dataclass
+class Slot:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    ticket: MigrationTicket | None = None
+
+
+class MigrationError(KvferryError):
+    pass
+
+
+@dataclass
+class Incoming:
+    session_id: str
+    restorer: ck.Restorer
+    decoder: FrameDecoder = field(default_factory=FrameDecoder)
+    next_seq: int = 0
+    prepared: Any = None
+    started: float = field(default_factory=time.monotonic)
+
+
+class HostServer:
+    """Serves one ModelHost over gRPC."""
+
+    def __init__(self, host: ModelHost, bind: str = "127.0.0.1:0", *, token: str | None = None,
+                 tls: TLSConfig | None = None, client_tls: TLSConfig | None = None,
+                 directory: Any = None, node: str | None = None, allow_no_auth: bool = False):
+        h, _, _ = bind.rpartition(":")
+        if token is None and not (allow_no_auth and is_loopback(h)):
+            raise ConfigError("refusing to serve without a token (set --token, or --no-auth on a "
+                              "loopback address)")
+        self.host = host
+        self.token = token
+        self.tls = tls
+        self.client_tls = client_tls  # for outgoing migration connections
+        self.directory = directory  # a Ray controller handle (or None)
+        self.node = node or socket.gethostname()
+        self.slots: dict[str, Slot] = {}
+        self.moved: dict[str, str] = {}  # session id -> where it went
+        self.incoming: dict[str, Incoming] = {}
+        self._lock = threading.Lock()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=grpc_options(),
+                                  interceptors=[AuthInterceptor(token)])
+        pbg.add_SessionsServicer_to_server(_Sessions(self), self.server)
+        pbg.add_MigrationServicer_to_server(_Migration(self), self.server)
+        if tls is not None and tls.cert:
+            port = self.server.add_secure_port(bind, tls.server_credentials())
+        else:
+            port = self.server.add_insecure_port(bind)
+        if port == 0:
+            raise ConfigError(f"cannot bind {bind}")
+        self.address = f"{h or '127.0.0.1'}:{port}"
+        if h in ("0.0.0.0", "[::]", ""):
+            self.address = f"{socket.gethostbyname(socket.gethostname())}:{port}"
+
+    def start(self) -> "HostServer":
+        self.server.start()
+        threading.Thread(target=self._janitor, daemon=True, name="kvferry-janitor").start()
+        return self
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.server.stop(grace).wait()
+
+    def _janitor(self) -> None:
+        while True:
+            time.sleep(5)
+            now = time.monotonic()
+            with self._lock:
+                stale = [k for k, v in self.incoming.items() if now - v.started > PREPARED_TTL]
+                for k in stale:
+                    inc = self.incoming.pop(k)
+                    if inc.prepared is not None:
+                        inc.prepared.close()
+
+    # -- directory ---------------------------------------------------------------
+    def _dir(self, method: str, *args) -> Any:
+        if self.directory is None:
+            return None
+        import ray
+
+        try:
+            return ray.get(getattr(self.directory, method).remote(*args), timeout=10)
+        except Exception:  # the directory is advisory for routing; never fail a session on it
+            return None
+
+    def slot(self, sid: str) -> Slot:
+        with self._lock:
+            if sid not in self.host.sessions:
+                raise UnknownSessionError(f"unknown session '{sid}'")
+            return self.slots.setdefault(sid, Slot())
+
+    def info(self, s) -> pb.SessionInfo:
+        m = s.memory()
+        return pb.SessionInfo(id=s.id, host=self.address, tokens=m["tokens"], guest=s.guest.module.label,
+                              kv_bytes=m["kv_bytes"], arena_bytes=m["arena_bytes"], model=s.lm.name,
+                              in_turn=s.turn is not None)
+
+    # -- migration (source side) ---------------------------------------------------
+    def migrate_out(self, sid: str, t: MigrationTicket) -> None:
+        """Run with the session's slot held, between two steps. Stop-and-copy."""
+        s = self.host.get(sid)
+        t0 = time.perf_counter()
+        sn = ck.Snapshotter(s, t.mode)
+        frames = [sn.header(), *sn.finish()]
+        total = len(frames)
+        mid = uuid.uuid4().hex
+        sent_bytes = 0
+        attempts = 0
+        next_seq = 0
+        while True:
+            attempts += 1
+            reqs: "queue.Queue[Any]" = queue.Queue()
+
+            def gen():
+                while (m := reqs.get()) is not None:
+                    yield m
+
+            ch = channel(t.target, self.client_tls)
+            try:
+                stub = pbg.MigrationStub(ch)
+                acks = stub.Transfer(gen(), metadata=auth_metadata(t.token or self.token), timeout=600)
+                reqs.put(pb.MigrationMessage(begin=pb.Begin(migration_id=mid, session_id=sid,
+                                                            fingerprint=s.lm.fingerprint,
+                                                            source=self.address)))
+                ack = next(acks)
+                next_seq = ack.next_seq
+                sending = next_seq
+                state = ack.state
+                while state != "restored":
+                    while sending < total and sending - next_seq < WINDOW:
+                        reqs.put(pb.MigrationMessage(frame=pb.FramePart(seq=sending, data=frames[sending])))
+                        sent_bytes += len(frames[sending])
+                        sending += 1
+                    ack = next(acks)
+                    state, next_seq = ack.state, ack.next_seq
+                    t.progress.put(pb.MigrateProgress(bytes_sent=sent_bytes, frames_sent=next_seq,
+                                                      frames_total=total, target=t.target,
+                                                      seconds=time.perf_counter() - t0,
+                                                      raw_kv_bytes=sn.raw_kv_bytes, tokens=len(s.history)))
+                reqs.put(pb.MigrationMessage(commit=pb.Empty()))
+                ack = next(acks)
+                if ack.state != "committed":
+                    raise MigrationError(f"target answered '{ack.state}' to commit")
+                reqs.put(None)
+                break
+            except grpc.RpcError as e:
+                reqs.put(None)
+                code = e.code()
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and attempts < 3:
+                    time.sleep(0.5 * attempts)  # reconnect and resume from the last verified frame
+                    continue
+                raise MigrationError(f"migration to {t.target} failed: {e.details() or code.name}") from None
+            except StopIteration:
+                reqs.put(None)
+                if attempts < 3:
+                    continue
+                raise MigrationError(f"migration to {t.target} failed: the target closed the stream") from None
+            finally:
+                ch.close()
+        # committed on the target: the directory switches, the local copy goes
+        with self._lock:
+            self.moved[sid] = t.target
+            self.slots.pop(sid, None)
+        self.host.close_session(sid)
+        self._dir("move", sid, self.address, t.target)
+        t.committed = True
+        t.progress.put(pb.MigrateProgress(bytes_sent=sent_bytes, frames_sent=total, frames_total=total,
+                                          done=True, target=t.target, seconds=time.perf_counter() - t0,
+                                          raw_kv_bytes=sn.raw_kv_bytes, tokens=len(s.history)))
+
+    def run_ticket(self, sid: str, t: MigrationTicket) -> None:
+        try:
+            self.migrate_out(sid, t)
+        except (KvferryError, CheckpointError) as e:
+            t.error = str(e)
+        except Exception as e:  # report, keep serving: the session stays here
+            t.error = f"{type(e).__name__}: {e}"
+        finally:
+            t.done.set()
+            t.progress.put(None)
+
+
+def _abort(context, e: Exception) -> None:
+    if isinstance(e, UnknownSessionError):
+        context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+    if isinstance(e, ModelMismatchError):
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+    if isinstance(e, CheckpointError) and "checkpoint is for model" in str(e):
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"model mismatch: {e}")
+    if isinstance(e, (ConfigError, GuestError, CheckpointError)):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    if isinstance(e, MigrationError):
+        context.abort(grpc.StatusCode.ABORTED, str(e))
+    context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+
+def _guarded(fn: Callable) -> Callable:
+    def wrapper(self, request, context):
+        try:
+            return fn(self, request, context)
+        except (KvferryError, CheckpointError, GuestTrap) as e:
+            _abort(context, e)
+    return wrapper
+
+
+def _guarded_stream(fn: Callable) -> Callable:
+    def wrapper(self, request, context):
+        try:
+            yield from fn(self, request, context)
+        except (KvferryError, CheckpointError, GuestTrap) as e:
+            _abort(context, e)
+    return wrapper
+
+
+class _Sessions(pbg.SessionsServicer):
+    def __init__(self, srv: HostServer):
+        self.srv = srv
+
+    @_guarded
+    def Health(self, request, context):
+        import runtime
+
+        h = self.srv.host
+        return pb.HealthReply(status="ok", address=self.srv.address, model=h.lm.name,
+                              fingerprint=h.lm.fingerprint, sessions=len(h.sessions),
+                              version=runtime.__version__, node=self.srv.node)
+
+    @_guarded
+    def CreateSession(self, r, context):
+        h = self.srv.host
+        if r.model and r.model not in (h.lm.name, str(h.lm.path)):
+            raise ModelMismatchError(f"model mismatch: this host serves '{h.lm.name}', not '{r.model}'")
+        sp = r.sampling
+        sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p or 1.0, top_k=sp.top_k,
+                                  max_tokens=sp.max_tokens or 256, seed=sp.seed, stop=tuple(sp.stop),
+                                  ignore_eos=sp.ignore_eos) if r.HasField("sampling") else SamplingParams()
+        o = r.options
+        options = SessionOptions(ctx=o.ctx or None, prefill_step=o.prefill_step or 512,
+                                 kv_bits=o.kv_bits or None, deadline_ms=o.deadline_ms or 5000.0)
+        guest = h.engine.compile(r.guest_wasm, "client.wasm") if r.guest_wasm else None
+        if guest is not None and guest.kind != "chat":
+            raise GuestError("client.wasm: not a chat guest")
+        s = h.create_session(guest, sampling, options, r.session_id or None)
+        if r.system:
+            s.messages.append({"role": "system", "content": r.system})
+        self.srv._dir("register_session", s.id, self.srv.address)
+        return self.srv.info(s)
+
+    @_guarded_stream
+    def Send(self, r, context):
+        srv = self.srv
+        if r.session_id in srv.moved:
+            yield pb.TokenChunk(index=r.from_index, token=-1, moved_to=srv.moved[r.session_id])
+            return
+        slot = srv.slot(r.session_id)
+        if not slot.lock.acquire(timeout=30):
+            raise SessionError(f"session {r.session_id} is busy (a turn or migration is in progress)")
+        try:
+            s = srv.host.get(r.session_id)
+            events = s.continue_turn(r.from_index) if r.continue_turn else s.send(r.text, r.role or "user")
+            for ev in events:
+                yield pb.TokenChunk(index=ev.index, token=ev.token, text=ev.text,
+                                    finish_reason=ev.finish_reason or "",
+                                    stats=pb.TurnStats(prompt_tokens=s.last.prompt_tokens,
+                                                       prompt_tps=s.last.prompt_tps,
+                                                       generation_tokens=s.last.generation_tokens,
+                                                       generation_tps=s.last.generation_tps)
+                                    if ev.finish_reason else None)
+                t = slot.ticket
+                if t is not None and ev.finish_reason is None:  # a step boundary: migrate now
+                    slot.ticket = None
+                    srv.run_ticket(r.session_id, t)
+                    if t.committed:
+                        yield pb.TokenChunk(index=ev.index + 1, token=-1, moved_to=t.target)
+                        return
+                if not context.is_active():
+                    return  # the client left; the turn stays open for continue_turn
+        finally:
+            slot.lock.release()
+            t = slot.ticket
+            if t is not None:  # a migration asked for while the turn ended: run it now
+                if slot.lock.acquire(blocking=False):
+                    slot.ticket = None
+                    try:
+                        srv.run_ticket(r.session_id, t)
+                    finally:
+                        slot.lock.release()
+
+    @_guarded_stream
+    def Snapshot(self, r, context):
+        slot = self.srv.slot(r.session_id)
+        if not slot.lock.acquire(timeout=30):
+            raise SessionError(f"session {r.session_id} is busy")
+        try:
+            s = self.srv.host.get(r.session_id)
+            for chunk in ck.snapshot(s, r.mode or "lossless"):
+                yield pb.CheckpointChunk(data=chunk)
+        finally:
+            slot.lock.release()
+
+    def Restore(self, request_iterator, context):
+        try:
+            s = ck.restore(self.srv.host, (c.data for c in request_iterator))
+            self.srv._dir("register_session", s.id, self.srv.address)
+            return self.srv.info(s)
+        except (KvferryError, CheckpointError) as e:
+            _abort(context, e)
+
+    @_guarded_stream
+    def Migrate(self, r, context):
+        srv = self.srv
+        if r.live:
+            raise ConfigError("live migration is not available yet: use stop-and-copy")
+        if r.target == srv.address:
+            raise ConfigError(f"session {r.session_id} is already on {r.target}")
+        slot = srv.slot(r.session_id)
+        t = MigrationTicket(r.target, r.target_token or None, r.mode or "lossless")
+        if slot.lock.acquire(blocking=False):
+            th = threading.Thread(target=self._run_locked, args=(slot, r.session_id, t), daemon=True)
+            th.start()
+        else:
+            if slot.ticket is not None:
+                raise SessionError(f"session {r.session_id}: a migration is already in progress")
+            slot.ticket = t  # the generating thread runs it at its next step boundary
+        while (p := t.progress.get()) is not None:
+            yield p
+        if t.error:
+            raise MigrationError(t.error)
+
+    def _run_locked(self, slot: Slot, sid: str, t: MigrationTicket) -> None:
+        try:
+            self.srv.run_ticket(sid, t)
+        finally:
+            slot.lock.release()
+
+    @_guarded
+    def Close(self, r, context):
+        srv = self.srv
+        slot = srv.slot(r.session_id)
+        if not slot.lock.acquire(timeout=30):
+            raise SessionError(f"session {r.session_id} is busy")
+        try:
+            srv.host.close_session(r.session_id)
+            with srv._lock:
+                srv.slots.pop(r.session_id, None)
+        finally:
+            slot.lock.release()
+        srv._dir("forget_session", r.session_id)
+        return pb.Empty()
+
+    @_guarded
+    def ListSessions(self, r, context):
+        return pb.SessionList(sessions=[self.srv.info(s) for s in list(self.srv.host.sessions.values())])
+
+    @_guarded
+    def ListHosts(self, r, context):
+        hosts = self.srv._dir("hosts")
+        if not hosts:
+            h = self.srv.host
+            return pb.HostList(hosts=[pb.HostInfo(address=self.srv.address, model=h.lm.name,
+                                                  sessions=len(h.sessions), healthy=True,
+                                                  node=self.srv.node, last_seen=time.time())])
+        return pb.HostList(hosts=[pb.HostInfo(**x) for x in hosts])
+
+
+class _Migration(pbg.MigrationServicer):
+    """Target side: verify frames as they come, restore, commit on request."""
+
+    def __init__(self, srv: HostServer):
+        self.srv = srv
+
+    def Transfer(self, request_iterator, context):
+        srv = self.srv
+        inc: Incoming | None = None
+        try:
+            for msg in request_iterator:
+                kind = msg.WhichOneof("kind")
+                if kind == "begin":
+                    b = msg.begin
+                    if b.fingerprint != srv.host.lm.fingerprint:
+                        context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"model mismatch: the target serves '{srv.host.lm.name}' "
+                                      f"({srv.host.lm.fingerprint[:12]}…), the session's model differs")
+                    with srv._lock:
+                        inc = srv.incoming.get(b.migration_id)
+                        if inc is None:
+                            if b.session_id in srv.host.sessions:
+                                context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                              f"session {b.session_id} already exists on the target")
+                            inc = Incoming(b.session_id, ck.Restorer(srv.host, session_id=b.session_id))
+                            srv.incoming[b.migration_id] = inc
+                        mid = b.migration_id
+                    yield pb.MigrationAck(state="ready" if inc.prepared is None else "restored",
+                                          next_seq=inc.next_seq, session_id=inc.session_id)
+                elif kind == "frame":
+                    if inc is None:
+                        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "frame before begin")
+                    f = msg.frame
+                    if f.seq < inc.next_seq:
+                        continue  # a resend after reconnect: already verified
+                    if f.seq > inc.next_seq:
+                        context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"frame {f.seq} arrived, expected {inc.next_seq}")
+                    for fr in inc.decoder.feed(f.data):
+                        inc.restorer.apply(fr)
+                    inc.next_seq += 1
+                    if inc.decoder.done and inc.prepared is None:
+                        inc.prepared = inc.restorer.commit(register=False)
+                        yield pb.MigrationAck(state="restored", next_seq=inc.next_seq,
+                                              session_id=inc.session_id)
+                    else:
+                        yield pb.MigrationAck(state="ack", next_seq=inc.next_seq, session_id=inc.session_id)
+                elif kind == "commit":
+                    if inc is None or inc.prepared is None:
+                        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "commit before a verified restore")
+                    with srv.host.lock:
+                        if inc.session_id in srv.host.sessions:
+                            context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                          f"session {inc.session_id} already exists on the target")
+                        srv.host.sessions[inc.session_id] = inc.prepared
+                    with srv._lock:
+                        srv.incoming.pop(mid, None)
+                        srv.moved.pop(inc.session_id, None)
+                    srv._dir("register_session", inc.session_id, srv.address)
+                    yield pb.MigrationAck(state="committed", next_seq=inc.next_seq, session_id=inc.session_id)
+                    inc = None
+                elif kind == "abort":
+                    with srv._lock:
+                        srv.incoming.pop(mid, None)
+                    if inc is not None and inc.prepared is not None:
+                        inc.prepared.close()
+                    inc = None
+        except (CheckpointError, KvferryError) as e:
+            if inc is not None:
+                with srv._lock:
+                    srv.incoming = {k: v for k, v in srv.incoming.items() if v is not inc}
+            _abort(context, e)
+

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import threading
 import time
 from typing import Any
@@ -97,7 +98,7 @@ class SessionHost:
         self.host = ModelHost(model, dtype=dtype, progress=False)
         warmup(self.host.lm)
         self.ctl = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
-        node = ray.util.get_node_ip_address()
+        node = f"{socket.gethostname()}/{ray.get_runtime_context().get_node_id()[:8]}"
         self.srv = HostServer(self.host, bind, token=token, allow_no_auth=allow_no_auth,
                               tls=TLSConfig(**tls) if tls else None,
                               client_tls=TLSConfig(**client_tls) if client_tls else None,

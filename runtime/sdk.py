@@ -202,12 +202,13 @@ class RemoteSession:
         req = pb.SendRequest(session_id=self.id, text=text, role=role)
         next_index = 0
         for _ in range(8):  # at most a few hops per turn
-            moved = None
+            moved, moved_mid_turn = None, False
             try:
                 for c in self.client._stub(self.host).Send(req, metadata=auth_metadata(self.client.token),
                                                           timeout=self.client.timeout):
                     if c.moved_to:
                         moved = c.moved_to
+                        moved_mid_turn = c.index >= 0
                         break
                     if c.token >= 0:
                         if c.index < next_index:
@@ -224,7 +225,8 @@ class RemoteSession:
             if moved is None:
                 return
             self.host = moved
-            req = pb.SendRequest(session_id=self.id, continue_turn=True, from_index=next_index)
+            if moved_mid_turn:  # else: nothing ran at the old host; repeat the request there
+                req = pb.SendRequest(session_id=self.id, continue_turn=True, from_index=next_index)
         raise RemoteError(f"session {self.id} kept moving; giving up")
 
     def send(self, text: str, role: str = "user") -> Iterator[str]:
@@ -361,12 +363,13 @@ class AsyncRemoteSession:
         req = pb.SendRequest(session_id=self.id, text=text, role=role)
         next_index = 0
         for _ in range(8):
-            moved = None
+            moved, moved_mid_turn = None, False
             try:
                 async for c in self.client._stub(self.host).Send(req, metadata=auth_metadata(self.client.token),
                                                                 timeout=self.client.timeout):
                     if c.moved_to:
                         moved = c.moved_to
+                        moved_mid_turn = c.index >= 0
                         break
                     if c.token >= 0:
                         if c.index < next_index:
@@ -379,7 +382,8 @@ class AsyncRemoteSession:
             if moved is None:
                 return
             self.host = moved
-            req = pb.SendRequest(session_id=self.id, continue_turn=True, from_index=next_index)
+            if moved_mid_turn:
+                req = pb.SendRequest(session_id=self.id, continue_turn=True, from_index=next_index)
         raise RemoteError(f"session {self.id} kept moving; giving up")
 
     async def migrate(self, to: str, *, to_token: str | None = None, mode: str = "lossless") -> Migration:

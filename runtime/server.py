@@ -386,8 +386,8 @@ class _Sessions(pbg.SessionsServicer):
     @_guarded_stream
     def Send(self, r, context):
         srv = self.srv
-        if r.session_id in srv.moved:
-            yield pb.TokenChunk(index=r.from_index, token=-1, moved_to=srv.moved[r.session_id])
+        if r.session_id in srv.moved:  # index -1: nothing ran here, send the same request there
+            yield pb.TokenChunk(index=-1, token=-1, moved_to=srv.moved[r.session_id])
             return
         slot = srv.slot(r.session_id)
         if not slot.lock.acquire(timeout=30):

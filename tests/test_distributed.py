@@ -1,0 +1,300 @@
+"""Distribution on real processes: kvferry serve, gRPC, migration, SDK, Ray, ray job."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime.sdk import AsyncClient, AuthError, Client, ModelMismatchError, RemoteError, UnknownSessionError
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "test-token-123"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listener_pids(port: int) -> list[int]:
+    """PIDs holding a listening TCP socket on ``port`` (from /proc, no tools needed)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":  # LISTEN
+                inodes.add(f[9])
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    pids.append(int(pid))
+                    break
+        except OSError:
+            continue
+    return pids
+
+
+class Serve:
+    """A `kvferry serve` process (its own embedded Ray cluster)."""
+
+    def __init__(self, *args: str, token: str = TOKEN):
+        self.port = free_port()
+        env = {**os.environ, "KVFERRY_TOKEN": token}
+        self.proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", str(self.port),
+                                      *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env, start_new_session=True)
+        self.address = f"127.0.0.1:{self.port}"
+        self.log: list[str] = []
+        deadline = time.time() + 240
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if "kvferry serving on" in line:
+                break
+            if time.time() > deadline:
+                break
+        if self.proc.poll() is not None or not any("kvferry serving on" in l for l in self.log):
+            self.stop()
+            raise RuntimeError("kvferry serve did not start:\n" + "".join(self.log[-30:]))
+        threading.Thread(target=lambda: [self.log.append(l) for l in self.proc.stdout], daemon=True).start()
+
+    def kill(self) -> None:
+        """SIGKILL the process that serves the port (a Ray worker) and the serve group."""
+        for pid in listener_pids(self.port):
+            os.kill(pid, signal.SIGKILL)
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # kvferry serve shuts its Ray down itself
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything left in the group
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def two_hosts(smollm_dir):
+    a = Serve()
+    try:
+        b = Serve()
+    except Exception:
+        a.stop()
+        raise
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def test_migration_continues_identically(two_hosts):
+    a, b = two_hosts
+    c = Client(a.address, TOKEN)
+    assert c.health()["status"] == "ok"
+    s = c.create_session(max_tokens=24)
+    twin = c.create_session(max_tokens=24)
+    first = "".join(s.send("What is the capital of France?"))
+    assert first == "".join(twin.send("What is the capital of France?")) and "Paris" in first
+    m = s.migrate(to=b.address)
+    assert m.bytes > 0 and m.tokens > 0 and m.ratio > 1.0 and s.host == b.address
+    assert s.id not in [x["id"] for x in c.sessions()]
+    assert s.id in [x["id"] for x in Client(b.address, TOKEN).sessions()]
+    after = "".join(s.send("And the capital of Italy?"))
+    assert after == "".join(twin.send("And the capital of Italy?")) and "Rome" in after
+    # a client still pointed at the source is redirected
+    stale = Client(a.address, TOKEN).session(s.id)
+    assert "".join(stale.send("And of Spain?")) and stale.host == b.address
+    s.close()
+    twin.close()
+
+
+def test_mid_reply_migration_loses_and_repeats_nothing(two_hosts):
+    a, b = two_hosts
+    c = Client(a.address, TOKEN)
+    s = c.create_session(max_tokens=48, ignore_eos=True)
+    twin = c.create_session(max_tokens=48, ignore_eos=True)
+    chunks = []
+    th = threading.Thread(target=lambda: chunks.extend(s.events("Tell me a long story about a cat.")))
+    th.start()
+    while not chunks:
+        time.sleep(0.05)
+    m = Client(a.address, TOKEN).session(s.id).migrate(to=b.address)
+    th.join(120)
+    ref = list(twin.events("Tell me a long story about a cat."))
+    tokens = [x.token for x in chunks if x.token >= 0]
+    assert [x.index for x in chunks if x.token >= 0] == list(range(len(tokens)))
+    assert tokens == [x.token for x in ref if x.token >= 0] and len(tokens) == 48
+    assert "".join(x.text for x in chunks) == "".join(x.text for x in ref)
+    assert 0 < m.tokens and s.host == b.address
+    s.close()
+    twin.close()
+
+
+def test_wrong_token_and_unknown_session(two_hosts):
+    a, _ = two_hosts
+    with pytest.raises(AuthError, match="auth failed"):
+        Client(a.address, "wrong").sessions()
+    with pytest.raises(AuthError):
+        Client(a.address, "").health()
+    with pytest.raises(UnknownSessionError, match="unknown session 'nope'"):
+        Client(a.address, TOKEN).session("nope").close()
+    with pytest.raises(UnknownSessionError):
+        list(Client(a.address, TOKEN).session("nope").send("hi"))
+
+
+def test_snapshot_and_restore_through_the_sdk(two_hosts, tmp_path):
+    a, b = two_hosts
+    c = Client(a.address, TOKEN)
+    s = c.create_session(max_tokens=16)
+    twin = c.create_session(max_tokens=16)
+    "".join(s.send("Name a fruit."))
+    "".join(twin.send("Name a fruit."))
+    s.snapshot(tmp_path / "s.kvf")
+    s.close()
+    r = Client(b.address, TOKEN).restore(tmp_path / "s.kvf")
+    assert r.host == b.address
+    assert "".join(r.send("And a vegetable?")) == "".join(twin.send("And a vegetable?"))
+    r.close()
+    twin.close()
+
+
+def test_async_sdk(two_hosts):
+    a, b = two_hosts
+
+    async def go():
+        async with AsyncClient(a.address, TOKEN) as c:
+            assert (await c.health())["status"] == "ok"
+            s = await c.create_session(max_tokens=16)
+            text = "".join([p async for p in s.send("What is the capital of France?")])
+            m = await s.migrate(to=b.address)
+            more = "".join([p async for p in s.send("And of Italy?")])
+            await s.close()
+            return text, m, more
+    text, m, more = asyncio.run(go())
+    assert "Paris" in text and m.target == b.address and "Rome" in more
+
+
+def test_target_without_the_model(two_hosts, tiny_model):
+    a, _ = two_hosts
+    other = Serve("--model", str(tiny_model))
+    try:
+        c = Client(a.address, TOKEN)
+        s = c.create_session(max_tokens=16)
+        twin = c.create_session(max_tokens=16)
+        "".join(s.send("Hello!"))
+        "".join(twin.send("Hello!"))
+        with pytest.raises(ModelMismatchError, match="model mismatch"):
+            s.migrate(to=other.address)
+        assert s.host == a.address  # still here, intact
+        assert "".join(s.send("How are you?")) == "".join(twin.send("How are you?"))
+        with pytest.raises(ModelMismatchError):
+            c.create_session(model="tiny-llama")
+    finally:
+        other.stop()
+
+
+def test_target_killed_mid_stream(two_hosts):
+    a, _ = two_hosts
+    victim = Serve()
+    try:
+        c = Client(a.address, TOKEN)
+        s = c.create_session(max_tokens=8)
+        twin = c.create_session(max_tokens=8)
+        long = "Summarize this. " + " ".join(f"Item {i} is a small detail worth noting." for i in range(120))
+        "".join(s.send(long))
+        "".join(twin.send(long))
+
+        def kill_on_first_ack(p):
+            if p.frames_sent >= 1 and victim.proc.poll() is None:
+                victim.kill()  # the target dies with most frames still to come
+        with pytest.raises(RemoteError, match="migration to .* failed"):
+            s.migrate(to=victim.address, progress=kill_on_first_ack)
+        assert s.host == a.address and s.id in [x["id"] for x in c.sessions()]
+        assert "".join(s.send("Thanks!")) == "".join(twin.send("Thanks!"))
+    finally:
+        victim.stop()
+
+
+def test_no_auth_only_on_loopback():
+    from runtime.errors import ConfigError
+    from runtime.server import HostServer
+
+    with pytest.raises(ConfigError, match="refusing to serve without a token"):
+        HostServer(None, "0.0.0.0:0", token=None, allow_no_auth=True)
+    r = subprocess.run([sys.executable, "-m", "runtime.cli", "serve", "--bind", "0.0.0.0", "--no-auth"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "only allowed on a loopback address" in r.stderr
+
+
+def _certs(d: Path) -> dict:
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=kvferry-test-ca")
+    for name in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", "/CN=localhost")
+        (d / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "2", "-extfile", "ext.cnf")
+    return {k: str(d / v) for k, v in {"ca": "ca.pem", "scert": "server.pem", "skey": "server.key",
+                                       "ccert": "client.pem", "ckey": "client.key"}.items()}
+
+
+def test_tls_and_mutual_tls(tiny_model, tmp_path):
+    from runtime.host import ModelHost
+    from runtime.server import HostServer, TLSConfig
+
+    c = _certs(tmp_path)
+    host = ModelHost(str(tiny_model), progress=False)
+    tls = HostServer(host, "127.0.0.1:0", token=TOKEN, tls=TLSConfig(c["scert"], c["skey"])).start()
+    mtls = HostServer(host, "127.0.0.1:0", token=TOKEN,
+                      tls=TLSConfig(c["scert"], c["skey"], ca=c["ca"])).start()
+    try:
+        assert Client(tls.address, TOKEN, tls=TLSConfig(ca=c["ca"])).health()["status"] == "ok"
+        with pytest.raises(RemoteError):  # plaintext client against a TLS server
+            Client(tls.address, TOKEN, timeout=5).health()
+        with pytest.raises(RemoteError):  # no client certificate
+            Client(mtls.address, TOKEN, tls=TLSConfig(ca=c["ca"]), timeout=5).health()
+        ok = Client(mtls.address, TOKEN, tls=TLSConfig(c["ccert"], c["ckey"], c["ca"]))
+        assert ok.health()["status"] == "ok"
+        with pytest.raises(AuthError):  # TLS does not replace the token
+            Client(mtls.address, "wrong", tls=TLSConfig(c["ccert"], c["ckey"], c["ca"])).health()
+    finally:
+        tls.stop()
+        mtls.stop()
+        host.close()
+
+
+def test_message_size_limit(tiny_model):
+    from runtime.host import ModelHost
+    from runtime.server import MAX_MESSAGE, HostServer
+
+    host = ModelHost(str(tiny_model), progress=False)
+    srv = HostServer(host, "127.0.0.1:0", token=TOKEN).start()
+    try:
+        with pytest.raises(RemoteError):
+            Client(srv.address, TOKEN).create_session(guest=b"\0asm" + bytes(MAX_MESSAGE + 10))
+    finally:
+        srv.stop()
+        host.close()
+
+

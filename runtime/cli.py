@@ -73,19 +73,14 @@ def cmd_demo(a) -> int:
     try:
         host = model_host(str(path))
         info = ray.get(host.info.remote())
-        print(f"Ray actor pid {info['pid']}: weights {info['dtype']}, BLAS {info['blas']}\n",
-              flush=True)
-        messages: list[dict] = []
+        print(f"Ray actor pid {info['pid']}: weights {info['dtype']}, BLAS {info['blas']}, "
+              f"conversation driven by the chat.wasm guest\n", flush=True)
         for q in DEMO_TURNS:
-            messages.append({"role": "user", "content": q})
             print(f"user> {q}\nassistant> ", end="", flush=True)
-            reply, last = "", {}
-            for ref in host.chat.options(num_returns="streaming").remote(
-                    messages, max_tokens=a.max_tokens):
+            last = {}
+            for ref in host.chat.options(num_returns="streaming").remote(q, max_tokens=a.max_tokens):
                 last = ray.get(ref)
-                reply += last["text"]
                 print(last["text"], end="", flush=True)
-            messages.append({"role": "assistant", "content": reply})
             print(f"\n  [{last.get('generation_tokens', 0)} tokens, "
                   f"{last.get('generation_tps', 0):.1f} tok/s]\n", flush=True)
     finally:

@@ -20,20 +20,11 @@ def warmup(lm) -> None:
         pass
 
 
-def init_local(address: str | None = None, *, num_cpus: int | None = None) -> None:
+def init_local(address: str | None = None) -> None:
     """Connect to ``address``/``$RAY_ADDRESS`` or start an in-process local Ray on 127.0.0.1."""
-    import ray
+    from .cluster import init_ray
 
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    env = {"env_vars": blas.worker_env()}
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
-    else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus,
-                 runtime_env=env, log_to_driver=True, configure_logging=False)
+    init_ray(address)
 
 
 def _model_host_cls():
@@ -43,9 +34,10 @@ def _model_host_cls():
     class ModelHost:
         def __init__(self, model: str | None, dtype: str = "auto"):
             import runtime  # noqa: F401  (optimized BLAS before MLX)
-            from .models import load
+            from .host import ModelHost
 
-            self.lm = load(model, dtype=dtype, progress=False)
+            self.host = ModelHost(model, dtype=dtype, progress=False)
+            self.lm = self.host.lm
             warmup(self.lm)
 
         def info(self) -> dict:
@@ -53,14 +45,19 @@ def _model_host_cls():
             return {"model": self.lm.name, "dtype": self.lm.dtype, "blas": b.status()["kind"],
                     "pid": os.getpid()}
 
-        def chat(self, messages: list[dict], max_tokens: int = 128, temp: float = 0.0,
+        def chat(self, text: str, max_tokens: int = 128, temp: float = 0.0,
                  seed: int = 0) -> Iterator[dict]:
-            from .chat import stream_chat
+            """One user turn of the actor's conversation, driven by the chat guest."""
+            from .session import SamplingParams
 
-            for c in stream_chat(self.lm, messages, max_tokens=max_tokens, temp=temp, seed=seed):
-                yield {"text": c.text, "token": c.token, "finish_reason": c.finish_reason,
-                       "prompt_tps": c.prompt_tps, "generation_tps": c.generation_tps,
-                       "generation_tokens": c.generation_tokens}
+            if not hasattr(self, "session"):
+                self.session = self.host.create_session(
+                    sampling=SamplingParams(temperature=temp, seed=seed, max_tokens=max_tokens))
+            for ev in self.session.send(text):
+                st = self.session.last
+                yield {"text": ev.text, "token": ev.token, "finish_reason": ev.finish_reason,
+                       "generation_tps": st.generation_tps if ev.finish_reason else 0.0,
+                       "generation_tokens": st.generation_tokens if ev.finish_reason else ev.index + 1}
 
     return ModelHost
 

@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvferry-installed
 
-.PHONY: demo test install guests bench clean
+.PHONY: demo test install guests proto clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "kvferry needs Python >= 3.11 (set PYTHON=python3.11)")'
@@ -25,6 +25,9 @@ test: $(STAMP)
 
 guests: $(STAMP)
 	$(BIN)/python -m actor_guests.build
+
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. proto/kvferry.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache

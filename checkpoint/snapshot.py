@@ -91,32 +91,47 @@ class Snapshotter:
         }
         return self.w.frame(HEADER, head)
 
-    def kv(self, upto: int | None = None) -> Iterator[bytes]:
-        """KV frames for tokens [sent_tokens, upto) of every layer (a delta)."""
-        import mlx.core as mx
-
+    def extract(self, upto: int | None = None) -> list[tuple]:
+        """Copy the KV of tokens [sent_tokens, upto) out of the cache (hold the host's
+        compute lock while calling this if the session may be generating)."""
         s = self.s
         n = len(s.history) if upto is None else upto
-        if not self.incremental:
-            return  # rotating caches are sent whole by finish()
         t0 = self.sent_tokens
-        if n <= t0:
-            return
+        if not self.incremental or n <= t0:
+            return []
+        out = []
         for i, c in enumerate(s.cache):
             if c.offset < n:
                 raise CheckpointError(f"layer {i} cache holds {c.offset} tokens, history has {n}")
-            body: dict[str, Any] = {"layer": i, "start": t0, "end": n}
             if self.kind == "KVCache":
-                k, v = c.keys[..., t0:n, :], c.values[..., t0:n, :]
-                mx.eval(k, v)
-                body["keys"] = self._blob(k, role="keys")
-                body["values"] = self._blob(v)
+                out.append((i, t0, n, _mx_bits(c.keys[..., t0:n, :]), _mx_bits(c.values[..., t0:n, :]), None))
             else:  # QuantizedKVCache: (packed, scales, biases) per side, stored exactly
-                body["keys"] = [self._blob(x[..., t0:n, :], exact=True) for x in c.keys]
-                body["values"] = [self._blob(x[..., t0:n, :], exact=True) for x in c.values]
-                body["meta"] = {"group_size": c.group_size, "bits": c.bits}
-            yield self.w.frame(KV, body)
+                out.append((i, t0, n, [_mx_bits(x[..., t0:n, :]) for x in c.keys],
+                            [_mx_bits(x[..., t0:n, :]) for x in c.values],
+                            {"group_size": c.group_size, "bits": c.bits}))
         self.sent_tokens = n
+        return out
+
+    def encode(self, extracted: list[tuple]) -> Iterator[bytes]:
+        """KV frames from :meth:`extract`'s copies (no lock needed)."""
+        for i, t0, n, k, v, meta in extracted:
+            body: dict[str, Any] = {"layer": i, "start": t0, "end": n}
+            if meta is None:
+                body["keys"] = self._enc(*k, role="keys")
+                body["values"] = self._enc(*v)
+            else:
+                body["keys"] = [self._enc(*x, exact=True) for x in k]
+                body["values"] = [self._enc(*x, exact=True) for x in v]
+                body["meta"] = meta
+            yield self.w.frame(KV, body)
+
+    def kv(self, upto: int | None = None) -> Iterator[bytes]:
+        """KV frames for tokens [sent_tokens, upto) of every layer (a delta)."""
+        yield from self.encode(self.extract(upto))
+
+    def _enc(self, u: np.ndarray, dtype: str, exact: bool = False, role: str = "values") -> dict:
+        self.raw_kv_bytes += u.nbytes
+        return codecs.encode(u, dtype, "lossless" if exact else self.mode, role)
 
     def _blob(self, a, exact: bool = False, role: str = "values") -> dict:
         u, dtype = _mx_bits(a)
@@ -204,6 +219,8 @@ class Restorer:
         self.guest: dict | None = None
         self.done = False
         self.frames = 0
+        self.caches: list = []
+        self.lock = getattr(host, "compute", None) or __import__("threading").Lock()
 
     def apply(self, f: Frame) -> None:
         self.frames += 1
@@ -247,6 +264,10 @@ class Restorer:
                                   f"{cache.get('class')!r} does not fit this model ({n} layers)")
         self.header = h
         self.chunks = [[] for _ in range(n)]
+        if cache.get("class") == "KVCache":
+            from mlx_lm.models.cache import KVCache
+
+            self.caches = [KVCache() for _ in range(n)]
 
     def _kv(self, b: dict, where: str) -> None:
         i, t0, t1 = b.get("layer"), b.get("start"), b.get("end")
@@ -287,7 +308,18 @@ class Restorer:
             if a.ndim != 4 or a.shape[1] != heads or a.shape[2] != t1 - t0 or a.shape[3] != hd:
                 raise CheckpointError(f"{where}: {name} shape {list(a.shape)} does not fit "
                                       f"[1, {heads}, {t1 - t0}, {hd}]")
-        self.chunks[i].append((t0, t1, ("f", (k, b["keys"]["dtype"]), (v, b["values"]["dtype"]))))
+        # Append straight into the layer's cache as frames arrive, so a streamed
+        # (live) restore has nothing left to assemble at commit time.
+        c = self.caches[i]
+        if t0 != c.offset:
+            raise CheckpointError(f"{where}: token range {t0}..{t1} does not continue layer {i} "
+                                  f"(it holds {c.offset} tokens)")
+        import mlx.core as mx
+
+        with self.lock:
+            c.update_and_fetch(_mx_from_bits(k, b["keys"]["dtype"]), _mx_from_bits(v, b["values"]["dtype"]))
+            mx.eval(c.keys, c.values)
+        self.chunks[i].append((t0, t1, None))
 
     def commit(self, register: bool = True) -> "Session":
         """Build the session from everything applied; only now is it registered
@@ -337,13 +369,7 @@ class Restorer:
             if at != n_tokens:
                 raise CheckpointError(f"layer {i}: KV covers {at} tokens, the history has {n_tokens}")
             if kind == "KVCache":
-                c = KVCache()
-                if chunks:
-                    ks = [_mx_from_bits(*p[1]) for _, _, p in chunks]
-                    vs = [_mx_from_bits(*p[2]) for _, _, p in chunks]
-                    k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
-                    v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
-                    c.keys, c.values, c.offset = k, v, n_tokens
+                c = self.caches[i]  # assembled as the frames arrived
             else:
                 meta = chunks[0][2][2] if chunks else {}
                 c = QuantizedKVCache(group_size=int(meta.get("group_size", 64)), bits=int(meta.get("bits", 8)))

@@ -377,10 +377,11 @@ def cmd_migrate(a) -> int:
         bar.set_postfix_str(f"frames {p.frames_sent}/{p.frames_total}")
         bar.refresh()
 
-    m = s.migrate(a.to, to_token=a.to_token, mode=a.mode, live=a.live, progress=progress)
+    m = s.migrate(a.to, to_token=a.to_token, mode=a.mode, live=not a.stop_copy, progress=progress)
     bar.close()
     out = {"session": a.session, "target": m.target, "bytes": m.bytes, "seconds": round(m.seconds, 4),
-           "raw_kv_bytes": m.raw_kv_bytes, "ratio": round(m.ratio, 3), "tokens": m.tokens}
+           "raw_kv_bytes": m.raw_kv_bytes, "ratio": round(m.ratio, 3), "tokens": m.tokens,
+           "pause_ms": round(m.pause_ms, 2), "live": not a.stop_copy}
     if a.json:
         _print_json(out)
     else:
@@ -470,8 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--to-token", help="the target's token if it differs")
     mg.add_argument("--mode", default="lossless", choices=["lossless", "int8", "int4"])
     mode = mg.add_mutually_exclusive_group()
-    mode.add_argument("--live", action="store_true", help="pre-copy live migration")
-    mode.add_argument("--stop-copy", action="store_true", help="stop-and-copy (the default for now)")
+    mode.add_argument("--live", action="store_true", help="pre-copy live migration (the default)")
+    mode.add_argument("--stop-copy", action="store_true", help="stop-and-copy")
     client_args(mg)
 
     d = add(sub, "demo", cmd_demo, "hold a short conversation on a local Ray (embedded defaults)")

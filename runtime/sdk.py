@@ -100,6 +100,7 @@ class Migration:
     seconds: float
     raw_kv_bytes: int
     tokens: int
+    pause_ms: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -251,7 +252,7 @@ class RemoteSession:
         if last is None or not last.done:
             raise RemoteError(f"migration of {self.id} to {to} did not complete")
         self.host = to
-        return Migration(to, last.bytes_sent, last.seconds, last.raw_kv_bytes, last.tokens)
+        return Migration(to, last.bytes_sent, last.seconds, last.raw_kv_bytes, last.tokens, last.pause_ms)
 
     def snapshot(self, path: str | os.PathLike, mode: str = "lossless") -> dict:
         tmp = f"{path}.part"

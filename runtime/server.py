@@ -130,16 +130,31 @@ class MigrationTicket:
     target: str
     token: str | None
     mode: str
+    live: bool = False
+    max_stages: int = 8
+    final_delta: int = 4  # pause once fewer tokens than this remain to send
     progress: "queue.Queue[Any]" = field(default_factory=queue.Queue)
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     committed: bool = False
+    pause_ms: float = 0.0
+
+
+@dataclass
+class Pause:
+    """Holds a session still between two steps while a migration finishes it."""
+    paused: threading.Event = field(default_factory=threading.Event)
+    resume: threading.Event = field(default_factory=threading.Event)
+    idle: bool = False  # the session was not generating: we hold its slot lock instead
+    committed: bool = False
+    target: str = ""
 
 
 @dataclass
 class Slot:
     lock: threading.Lock = field(default_factory=threading.Lock)
-    ticket: MigrationTicket | None = None
+    pause_req: Pause | None = None
+    migrating: bool = False
 
 
 class MigrationError(KvferryError):
@@ -233,88 +248,170 @@ class HostServer:
                               in_turn=s.turn is not None)
 
     # -- migration (source side) ---------------------------------------------------
-    def migrate_out(self, sid: str, t: MigrationTicket) -> None:
-        """Run with the session's slot held, between two steps. Stop-and-copy."""
+    def pause(self, sid: str, slot: Slot) -> Pause:
+        """Stop the session between two steps (or, if idle, take its slot)."""
+        p = Pause()
+        slot.pause_req = p
+        while True:
+            if p.paused.wait(0.002):
+                return p
+            if slot.lock.acquire(blocking=False):
+                slot.pause_req = None
+                p.idle = True
+                return p
+
+    def unpause(self, slot: Slot, p: Pause) -> None:
+        if p.idle:
+            slot.lock.release()
+        else:
+            slot.pause_req = None
+            p.resume.set()
+
+    def migrate_out(self, sid: str, slot: Slot, t: MigrationTicket) -> None:
+        """Move a session: pre-copy stages while it keeps generating (live), then a
+        short pause for the last delta and the small state; or stop-and-copy."""
         s = self.host.get(sid)
         t0 = time.perf_counter()
         sn = ck.Snapshotter(s, t.mode)
-        frames = [sn.header(), *sn.finish()]
-        total = len(frames)
-        mid = uuid.uuid4().hex
-        sent_bytes = 0
-        attempts = 0
-        next_seq = 0
-        while True:
-            attempts += 1
-            reqs: "queue.Queue[Any]" = queue.Queue()
+        def progress() -> None:
+            t.progress.put(pb.MigrateProgress(
+                bytes_sent=link.bytes, frames_sent=link.acked, frames_total=len(link.frames),
+                target=t.target, seconds=time.perf_counter() - t0, raw_kv_bytes=sn.raw_kv_bytes,
+                tokens=len(s.history)))
 
-            def gen():
-                while (m := reqs.get()) is not None:
-                    yield m
-
-            ch = channel(t.target, self.client_tls)
-            try:
-                stub = pbg.MigrationStub(ch)
-                acks = stub.Transfer(gen(), metadata=auth_metadata(t.token or self.token), timeout=600)
-                reqs.put(pb.MigrationMessage(begin=pb.Begin(migration_id=mid, session_id=sid,
-                                                            fingerprint=s.lm.fingerprint,
-                                                            source=self.address)))
-                ack = next(acks)
-                next_seq = ack.next_seq
-                sending = next_seq
-                state = ack.state
-                while state != "restored":
-                    while sending < total and sending - next_seq < WINDOW:
-                        reqs.put(pb.MigrationMessage(frame=pb.FramePart(seq=sending, data=frames[sending])))
-                        sent_bytes += len(frames[sending])
-                        sending += 1
-                    ack = next(acks)
-                    state, next_seq = ack.state, ack.next_seq
-                    t.progress.put(pb.MigrateProgress(bytes_sent=sent_bytes, frames_sent=next_seq,
-                                                      frames_total=total, target=t.target,
-                                                      seconds=time.perf_counter() - t0,
-                                                      raw_kv_bytes=sn.raw_kv_bytes, tokens=len(s.history)))
-                reqs.put(pb.MigrationMessage(commit=pb.Empty()))
-                ack = next(acks)
-                if ack.state != "committed":
-                    raise MigrationError(f"target answered '{ack.state}' to commit")
-                reqs.put(None)
-                break
-            except grpc.RpcError as e:
-                reqs.put(None)
-                code = e.code()
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and attempts < 3:
-                    time.sleep(0.5 * attempts)  # reconnect and resume from the last verified frame
-                    continue
-                raise MigrationError(f"migration to {t.target} failed: {e.details() or code.name}") from None
-            except StopIteration:
-                reqs.put(None)
-                if attempts < 3:
-                    continue
-                raise MigrationError(f"migration to {t.target} failed: the target closed the stream") from None
-            finally:
-                ch.close()
-        # committed on the target: the directory switches, the local copy goes
-        with self._lock:
-            self.moved[sid] = t.target
-            self.slots.pop(sid, None)
-        self.host.close_session(sid)
-        self._dir("move", sid, self.address, t.target)
-        t.committed = True
-        t.progress.put(pb.MigrateProgress(bytes_sent=sent_bytes, frames_sent=total, frames_total=total,
-                                          done=True, target=t.target, seconds=time.perf_counter() - t0,
-                                          raw_kv_bytes=sn.raw_kv_bytes, tokens=len(s.history)))
-
-    def run_ticket(self, sid: str, t: MigrationTicket) -> None:
+        link = _Link(self, t, s, sid, on_ack=progress)
+        pause = None
         try:
-            self.migrate_out(sid, t)
+            link.send([sn.header()])
+            if t.live and sn.incremental:
+                for _ in range(t.max_stages):  # pre-copy: the session keeps generating
+                    with self.host.compute:
+                        extracted = sn.extract()
+                    link.send(list(sn.encode(extracted)))
+                    if len(s.history) - sn.sent_tokens < t.final_delta:
+                        break
+            pause = self.pause(sid, slot)  # stop-and-copy, or the live final stage
+            t_pause = time.perf_counter()
+            link.send(list(sn.finish()))
+            link.wait_restored()
+            link.commit()
+            pause.committed, pause.target = True, t.target
+            with self._lock:
+                self.moved[sid] = t.target
+                self.slots.pop(sid, None)
+            self.host.close_session(sid)
+            self._dir("move", sid, self.address, t.target)
+            t.committed = True
+            t.pause_ms = (time.perf_counter() - t_pause) * 1000
+        except grpc.RpcError as e:
+            link.abort()
+            raise MigrationError(f"migration to {t.target} failed: {e.details() or e.code().name}") from None
+        except BaseException:
+            link.abort()
+            raise
+        finally:
+            link.close()
+            if pause is not None:
+                self.unpause(slot, pause)
+        t.progress.put(pb.MigrateProgress(bytes_sent=link.bytes, frames_sent=len(link.frames),
+                                          frames_total=len(link.frames), done=True, target=t.target,
+                                          seconds=time.perf_counter() - t0, raw_kv_bytes=sn.raw_kv_bytes,
+                                          tokens=len(s.history), pause_ms=t.pause_ms))
+
+    def run_ticket(self, sid: str, slot: Slot, t: MigrationTicket) -> None:
+        try:
+            self.migrate_out(sid, slot, t)
         except (KvferryError, CheckpointError) as e:
             t.error = str(e)
         except Exception as e:  # report, keep serving: the session stays here
             t.error = f"{type(e).__name__}: {e}"
         finally:
+            slot.migrating = False
             t.done.set()
             t.progress.put(None)
+
+
+class _Link:
+    """The source's side of one Transfer stream: windowed sends, acks, resume
+    from the target's last verified frame after a reconnect (same migration id)."""
+
+    def __init__(self, srv: HostServer, t: MigrationTicket, s, sid: str, on_ack: Callable | None = None):
+        self.srv, self.t, self.s, self.sid = srv, t, s, sid
+        self.on_ack = on_ack
+        self.mid = uuid.uuid4().hex
+        self.frames: list[bytes] = []
+        self.acked = 0
+        self.bytes = 0
+        self.state = ""
+        self.reqs: "queue.Queue[Any] | None" = None
+        self.acks = None
+        self.ch = None
+        self._connect()
+
+    def _connect(self) -> None:
+        self.close()
+        self.reqs = q = queue.Queue()
+
+        def gen():
+            while (m := q.get()) is not None:
+                yield m
+        self.ch = channel(self.t.target, self.srv.client_tls)
+        stub = pbg.MigrationStub(self.ch)
+        self.acks = stub.Transfer(gen(), metadata=auth_metadata(self.t.token or self.srv.token), timeout=600)
+        q.put(pb.MigrationMessage(begin=pb.Begin(migration_id=self.mid, session_id=self.sid,
+                                                 fingerprint=self.s.lm.fingerprint, source=self.srv.address)))
+        ack = next(self.acks)
+        self.acked, self.state = ack.next_seq, ack.state
+        for seq in range(self.acked, len(self.frames)):  # resume: resend what was not verified
+            q.put(pb.MigrationMessage(frame=pb.FramePart(seq=seq, data=self.frames[seq])))
+
+    def _next_ack(self) -> None:
+        for attempt in range(3):
+            try:
+                ack = next(self.acks)
+                self.acked, self.state = ack.next_seq, ack.state
+                if self.on_ack is not None:
+                    self.on_ack()
+                return
+            except StopIteration:
+                raise MigrationError(f"migration to {self.t.target} failed: the target closed the stream") from None
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE,) or attempt == 2:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+                self._connect()  # reconnect and resume from the last verified frame
+
+    def send(self, frames: list[bytes]) -> None:
+        for f in frames:
+            while len(self.frames) - self.acked >= WINDOW:
+                self._next_ack()
+            self.reqs.put(pb.MigrationMessage(frame=pb.FramePart(seq=len(self.frames), data=f)))
+            self.frames.append(f)
+            self.bytes += len(f)
+
+    def wait_restored(self) -> None:
+        while self.state != "restored":
+            self._next_ack()
+
+    def commit(self) -> None:
+        self.reqs.put(pb.MigrationMessage(commit=pb.Empty()))
+        self._next_ack()
+        if self.state != "committed":
+            raise MigrationError(f"target answered '{self.state}' to commit")
+
+    def abort(self) -> None:
+        try:
+            if self.reqs is not None:
+                self.reqs.put(pb.MigrationMessage(abort=pb.Empty()))
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        if self.reqs is not None:
+            self.reqs.put(None)
+        if self.ch is not None:
+            self.ch.close()
+        self.reqs = self.ch = None
 
 
 def _abort(context, e: Exception) -> None:
@@ -390,9 +487,12 @@ class _Sessions(pbg.SessionsServicer):
             yield pb.TokenChunk(index=-1, token=-1, moved_to=srv.moved[r.session_id])
             return
         slot = srv.slot(r.session_id)
-        if not slot.lock.acquire(timeout=30):
+        if not slot.lock.acquire(timeout=60):
             raise SessionError(f"session {r.session_id} is busy (a turn or migration is in progress)")
         try:
+            if r.session_id in srv.moved:  # it left while we waited for the lock
+                yield pb.TokenChunk(index=-1, token=-1, moved_to=srv.moved[r.session_id])
+                return
             s = srv.host.get(r.session_id)
             events = s.continue_turn(r.from_index) if r.continue_turn else s.send(r.text, r.role or "user")
             for ev in events:
@@ -403,25 +503,17 @@ class _Sessions(pbg.SessionsServicer):
                                                        generation_tokens=s.last.generation_tokens,
                                                        generation_tps=s.last.generation_tps)
                                     if ev.finish_reason else None)
-                t = slot.ticket
-                if t is not None and ev.finish_reason is None:  # a step boundary: migrate now
-                    slot.ticket = None
-                    srv.run_ticket(r.session_id, t)
-                    if t.committed:
-                        yield pb.TokenChunk(index=ev.index + 1, token=-1, moved_to=t.target)
+                p = slot.pause_req
+                if p is not None and ev.finish_reason is None:  # a step boundary: hold still
+                    p.paused.set()
+                    p.resume.wait()
+                    if p.committed:
+                        yield pb.TokenChunk(index=ev.index + 1, token=-1, moved_to=p.target)
                         return
                 if not context.is_active():
                     return  # the client left; the turn stays open for continue_turn
         finally:
             slot.lock.release()
-            t = slot.ticket
-            if t is not None:  # a migration asked for while the turn ended: run it now
-                if slot.lock.acquire(blocking=False):
-                    slot.ticket = None
-                    try:
-                        srv.run_ticket(r.session_id, t)
-                    finally:
-                        slot.lock.release()
 
     @_guarded_stream
     def Snapshot(self, r, context):
@@ -446,29 +538,20 @@ class _Sessions(pbg.SessionsServicer):
     @_guarded_stream
     def Migrate(self, r, context):
         srv = self.srv
-        if r.live:
-            raise ConfigError("live migration is not available yet: use stop-and-copy")
         if r.target == srv.address:
             raise ConfigError(f"session {r.session_id} is already on {r.target}")
         slot = srv.slot(r.session_id)
-        t = MigrationTicket(r.target, r.target_token or None, r.mode or "lossless")
-        if slot.lock.acquire(blocking=False):
-            th = threading.Thread(target=self._run_locked, args=(slot, r.session_id, t), daemon=True)
-            th.start()
-        else:
-            if slot.ticket is not None:
+        with srv._lock:
+            if slot.migrating:
                 raise SessionError(f"session {r.session_id}: a migration is already in progress")
-            slot.ticket = t  # the generating thread runs it at its next step boundary
+            slot.migrating = True
+        t = MigrationTicket(r.target, r.target_token or None, r.mode or "lossless", live=r.live)
+        threading.Thread(target=srv.run_ticket, args=(r.session_id, slot, t), daemon=True,
+                         name=f"migrate-{r.session_id}").start()
         while (p := t.progress.get()) is not None:
             yield p
         if t.error:
             raise MigrationError(t.error)
-
-    def _run_locked(self, slot: Slot, sid: str, t: MigrationTicket) -> None:
-        try:
-            self.srv.run_ticket(sid, t)
-        finally:
-            slot.lock.release()
 
     @_guarded
     def Close(self, r, context):

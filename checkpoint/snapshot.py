@@ -42,6 +42,18 @@ def _mx_bits(a) -> tuple[np.ndarray, str]:
     return np.array(a.view(view) if view is not None else a), name
 
 
+def _np_bits(a) -> tuple[np.ndarray, str]:
+    """Like :func:`_mx_bits` but reads the (evaluated) MLX buffer through the buffer
+    protocol, so no MLX op is queued on the stream a generating session uses."""
+    import mlx.core as mx
+
+    if a.dtype in (mx.float32, mx.float16):
+        x = np.array(a, copy=False)  # a strided view of MLX's memory
+        return np.ascontiguousarray(x).view(np.uint32 if a.dtype == mx.float32 else np.uint16), \
+            "float32" if a.dtype == mx.float32 else "float16"
+    return _mx_bits(a)
+
+
 def _mx_from_bits(u: np.ndarray, dtype: str):
     import mlx.core as mx
 
@@ -66,6 +78,7 @@ class Snapshotter:
         self.sent_tokens = 0  # KV of tokens [0, sent_tokens) already emitted
         self.raw_kv_bytes = 0
         self.kind = _cache_kind(session.cache[0])
+        self.pace = 0.0  # seconds to sleep after each KV frame (set by live pre-copy stages)
 
     @property
     def incremental(self) -> bool:
@@ -92,8 +105,10 @@ class Snapshotter:
         return self.w.frame(HEADER, head)
 
     def extract(self, upto: int | None = None) -> list[tuple]:
-        """Copy the KV of tokens [sent_tokens, upto) out of the cache (hold the host's
-        compute lock while calling this if the session may be generating)."""
+        """Take the KV of tokens [sent_tokens, upto) out of the cache (hold the host's
+        compute lock while calling this if the session may be generating). Returns
+        evaluated MLX views: no copy is made here, so the lock is held briefly; the
+        views keep their buffers alive while the cache moves on."""
         s = self.s
         n = len(s.history) if upto is None else upto
         t0 = self.sent_tokens
@@ -104,26 +119,32 @@ class Snapshotter:
             if c.offset < n:
                 raise CheckpointError(f"layer {i} cache holds {c.offset} tokens, history has {n}")
             if self.kind == "KVCache":
-                out.append((i, t0, n, _mx_bits(c.keys[..., t0:n, :]), _mx_bits(c.values[..., t0:n, :]), None))
+                out.append((i, t0, n, c.keys[..., t0:n, :], c.values[..., t0:n, :], None))
             else:  # QuantizedKVCache: (packed, scales, biases) per side, stored exactly
-                out.append((i, t0, n, [_mx_bits(x[..., t0:n, :]) for x in c.keys],
-                            [_mx_bits(x[..., t0:n, :]) for x in c.values],
+                out.append((i, t0, n, [x[..., t0:n, :] for x in c.keys], [x[..., t0:n, :] for x in c.values],
                             {"group_size": c.group_size, "bits": c.bits}))
+        import mlx.core as mx
+
+        mx.eval([o[3] for o in out], [o[4] for o in out])
         self.sent_tokens = n
         return out
 
     def encode(self, extracted: list[tuple]) -> Iterator[bytes]:
         """KV frames from :meth:`extract`'s copies (no lock needed)."""
         for i, t0, n, k, v, meta in extracted:
+            t = time.perf_counter()
             body: dict[str, Any] = {"layer": i, "start": t0, "end": n}
             if meta is None:
-                body["keys"] = self._enc(*k, role="keys")
-                body["values"] = self._enc(*v)
+                body["keys"] = self._enc(*_np_bits(k), role="keys")
+                body["values"] = self._enc(*_np_bits(v))
             else:
-                body["keys"] = [self._enc(*x, exact=True) for x in k]
-                body["values"] = [self._enc(*x, exact=True) for x in v]
+                body["keys"] = [self._enc(*_mx_bits(x), exact=True) for x in k]
+                body["values"] = [self._enc(*_mx_bits(x), exact=True) for x in v]
                 body["meta"] = meta
-            yield self.w.frame(KV, body)
+            frame = self.w.frame(KV, body)
+            if self.pace:  # live pre-copy: leave the CPU to generation (duty cycle 1 / (1 + pace))
+                time.sleep((time.perf_counter() - t) * self.pace)
+            yield frame
 
     def kv(self, upto: int | None = None) -> Iterator[bytes]:
         """KV frames for tokens [sent_tokens, upto) of every layer (a delta)."""

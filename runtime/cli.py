@@ -272,6 +272,21 @@ def cmd_bench_fuzz(a) -> int:
     return 0 if r["failures"] == 0 else 1
 
 
+def cmd_bench_migrate(a) -> int:
+    from runtime.bench.migrate import plot, run
+
+    r = run(tuple(a.contexts), a.generate, progress=(lambda m: print(m, file=sys.stderr)))
+    if a.plot:
+        plot(r, a.plot)
+    if a.json:
+        _print_json(r)
+    else:
+        for row in r["rows"]:
+            print(row)
+        print(r["targets"])
+    return 0
+
+
 def cmd_bench_zero_copy(a) -> int:
     from runtime.bench.zero_copy import run, table
 
@@ -512,6 +527,11 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--cases", type=int, default=10000)
     bf.add_argument("--seed", type=int, default=0)
     bf.add_argument("--json", action="store_true")
+    bm = add(b, "migrate", cmd_bench_migrate, "live vs stop-and-copy vs re-prefill on two loopback hosts")
+    bm.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
+    bm.add_argument("--generate", type=int, default=48, help="tokens generated per run")
+    bm.add_argument("--plot", help="write a PNG figure (needs matplotlib)")
+    bm.add_argument("--json", action="store_true")
     bz = add(b, "zero-copy", cmd_bench_zero_copy,
              "guest memory exposed to MLX in place vs copied (the seed's table)")
     bz.add_argument("--n", type=int, default=128, help="GEMM size (n x n)")

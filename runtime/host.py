@@ -67,6 +67,7 @@ class ModelHost:
                  lm: LoadedModel | None = None, progress: bool = True):
         self.lm = lm or load(model, dtype=dtype, progress=progress)
         self.placement = apply_placement(self.lm.model, attn_cpu)
+        _ = self.lm.fingerprint  # hash the model files now, not in the middle of a migration
         self.engine = GuestEngine()
         self.sessions: dict[str, Session] = {}
         self._modules: dict[str, GuestModule] = {}

@@ -174,12 +174,20 @@ class Client:
     def session(self, session_id: str, host: str | None = None) -> "RemoteSession":
         return RemoteSession(self, session_id, host or self.address)
 
-    def restore(self, path: str | os.PathLike, host: str | None = None) -> "RemoteSession":
+    def restore(self, path: str | os.PathLike, host: str | None = None,
+                session_id: str | None = None) -> "RemoteSession":
+        """Restore a checkpoint file as a live session (``session_id``: a new id, to
+        restore a copy next to the original)."""
         def chunks():
             with open(path, "rb") as f:
                 while data := f.read(4 << 20):
                     yield pb.CheckpointChunk(data=data)
-        info = self._call("Restore", chunks(), address=host)
+        extra = [("kvferry-session-id", session_id)] if session_id else []
+        try:
+            info = self._stub(host).Restore(chunks(), metadata=auth_metadata(self.token) + extra,
+                                            timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise _translate(e, host or self.address) from None
         return RemoteSession(self, info.id, info.host or host or self.address)
 
 

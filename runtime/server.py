@@ -133,6 +133,7 @@ class MigrationTicket:
     live: bool = False
     max_stages: int = 8
     final_delta: int = 4  # pause once fewer tokens than this remain to send
+    pace: float = 1.0  # pre-copy: after encoding a frame, sleep that long again (generation keeps its CPU)
     progress: "queue.Queue[Any]" = field(default_factory=queue.Queue)
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
@@ -284,12 +285,14 @@ class HostServer:
         try:
             link.send([sn.header()])
             if t.live and sn.incremental:
+                sn.pace = t.pace
                 for _ in range(t.max_stages):  # pre-copy: the session keeps generating
                     with self.host.compute:
                         extracted = sn.extract()
                     link.send(list(sn.encode(extracted)))
                     if len(s.history) - sn.sent_tokens < t.final_delta:
                         break
+            sn.pace = 0.0
             pause = self.pause(sid, slot)  # stop-and-copy, or the live final stage
             t_pause = time.perf_counter()
             link.send(list(sn.finish()))
@@ -299,10 +302,12 @@ class HostServer:
             with self._lock:
                 self.moved[sid] = t.target
                 self.slots.pop(sid, None)
-            self.host.close_session(sid)
-            self._dir("move", sid, self.address, t.target)
             t.committed = True
             t.pause_ms = (time.perf_counter() - t_pause) * 1000
+            self.unpause(slot, pause)  # the client's stream moves on to the target right away
+            pause = None
+            self.host.close_session(sid)
+            self._dir("move", sid, self.address, t.target)
         except grpc.RpcError as e:
             link.abort()
             raise MigrationError(f"migration to {t.target} failed: {e.details() or e.code().name}") from None
@@ -529,7 +534,8 @@ class _Sessions(pbg.SessionsServicer):
 
     def Restore(self, request_iterator, context):
         try:
-            s = ck.restore(self.srv.host, (c.data for c in request_iterator))
+            new_id = dict(context.invocation_metadata()).get("kvferry-session-id") or None
+            s = ck.restore(self.srv.host, (c.data for c in request_iterator), session_id=new_id)
             self.srv._dir("register_session", s.id, self.srv.address)
             return self.srv.info(s)
         except (KvferryError, CheckpointError) as e:
@@ -641,8 +647,8 @@ class _Migration(pbg.MigrationServicer):
                     with srv._lock:
                         srv.incoming.pop(mid, None)
                         srv.moved.pop(inc.session_id, None)
-                    srv._dir("register_session", inc.session_id, srv.address)
                     yield pb.MigrationAck(state="committed", next_seq=inc.next_seq, session_id=inc.session_id)
+                    srv._dir("register_session", inc.session_id, srv.address)
                     inc = None
                 elif kind == "abort":
                     with srv._lock:

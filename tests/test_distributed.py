@@ -126,7 +126,8 @@ def test_migration_continues_identically(two_hosts):
     twin.close()
 
 
-def test_mid_reply_migration_loses_and_repeats_nothing(two_hosts):
+@pytest.mark.parametrize("live", [False, True], ids=["stop-copy", "live"])
+def test_mid_reply_migration_loses_and_repeats_nothing(two_hosts, live):
     a, b = two_hosts
     c = Client(a.address, TOKEN)
     s = c.create_session(max_tokens=48, ignore_eos=True)
@@ -136,7 +137,7 @@ def test_mid_reply_migration_loses_and_repeats_nothing(two_hosts):
     th.start()
     while not chunks:
         time.sleep(0.05)
-    m = Client(a.address, TOKEN).session(s.id).migrate(to=b.address)
+    m = Client(a.address, TOKEN).session(s.id).migrate(to=b.address, live=live)
     th.join(120)
     ref = list(twin.events("Tell me a long story about a cat."))
     tokens = [x.token for x in chunks if x.token >= 0]

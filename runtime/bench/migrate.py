@@ -1,0 +1,181 @@
+"""``kvferry bench migrate``: live vs stop-and-copy vs re-prefill, two hosts on loopback.
+
+Two ``kvferry serve`` processes (each its own embedded Ray). For each context
+length a conversation is built on host A and checkpointed; for each mode a
+restored copy generates while the client records when every token arrives, and
+is migrated to host B after a few tokens. An unmigrated restored twin on A gives
+the reference continuation.
+
+- ``downtime_ms``: the longest gap in the client's token stream around the
+  migration, minus the median normal inter-token gap;
+- ``total_ms``: the whole migration as the source reports it;
+- ``bytes``: on the wire; ``reprefill_ms``: host B prefilling the same context
+  from scratch (time to first token); ``identical``: continuation == twin's.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+FILLER = ("The lighthouse keeper wrote in his log every night: the weather, the ships, the birds, "
+          "and the small repairs the tower needed. ")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Host:
+    def __init__(self, token: str):
+        self.port = _free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", str(self.port)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "KVFERRY_TOKEN": token}, start_new_session=True)
+        self.address = f"127.0.0.1:{self.port}"
+        for line in self.proc.stdout:
+            if "kvferry serving on" in line:
+                break
+        else:
+            raise RuntimeError("kvferry serve did not start")
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _prompt(tokens: int) -> str:
+    # ~25 tokens per filler sentence; the chat template adds a few more
+    return "Read this log and continue it.\n" + FILLER * max(1, tokens // 25)
+
+
+def run(contexts=(512, 2048, 8192), generate: int = 48, migrate_after: int = 8,
+        progress=print) -> dict:
+    from runtime.sdk import Client
+
+    token = secrets.token_urlsafe(16)
+    a, b = _Host(token), _Host(token)
+    rows = []
+    try:
+        ca, cb = Client(a.address, token), Client(b.address, token)
+        with tempfile.TemporaryDirectory() as d:
+            for ctx in contexts:
+                prompt = _prompt(ctx)
+                base = ca.create_session(max_tokens=generate, ignore_eos=True)
+                list(base.send(prompt))
+                n_ctx = base.info()["tokens"]
+                ck = Path(d) / f"ctx{ctx}.kvf"
+                base.snapshot(ck)
+                base.close()
+                # re-prefill on the target: the alternative to moving the KV
+                rp = cb.create_session(max_tokens=1, ignore_eos=True)
+                t = time.perf_counter()
+                next(iter(rp.events(prompt)))
+                reprefill_ms = (time.perf_counter() - t) * 1000
+                rp.close()
+                progress(f"context {n_ctx} tokens: re-prefill {reprefill_ms:.0f} ms")
+                for live in (True, False):
+                    sid = f"m{ctx}{'l' if live else 's'}"
+                    m = ca.restore(ck, session_id=sid)
+                    twin = ca.restore(ck, session_id=sid + "t")
+                    stamps: list[tuple[float, int]] = []
+                    chunks = []
+
+                    def consume():
+                        for c in m.events("Continue the log."):
+                            stamps.append((time.perf_counter(), c.index))
+                            chunks.append(c)
+                    th = threading.Thread(target=consume)
+                    th.start()
+                    while len(stamps) < migrate_after:
+                        time.sleep(0.005)
+                    t_mig = time.perf_counter()
+                    mig = Client(a.address, token).session(sid).migrate(to=b.address, live=live)
+                    th.join()
+                    ref = [c.token for c in twin.events("Continue the log.") if c.token >= 0]
+                    got = [c.token for c in chunks if c.token >= 0]
+                    times = [s for s, i in stamps if i >= 0]
+                    gaps = [y - x for x, y in zip(times, times[1:])]
+                    idx = next(i for i, s in enumerate(times) if s >= t_mig)
+                    around = gaps[max(0, idx - 1): idx + 2]
+                    normal = statistics.median(gaps[:max(1, idx - 2)] + gaps[idx + 3:])
+                    downtime = max(around) - normal
+                    rows.append({"context": n_ctx, "mode": "live" if live else "stop-copy",
+                                 "downtime_ms": round(downtime * 1000, 1),
+                                 "normal_gap_ms": round(normal * 1000, 1),
+                                 "total_ms": round(mig.seconds * 1000, 1), "pause_ms": round(mig.pause_ms, 1),
+                                 "bytes": mig.bytes, "raw_kv_bytes": mig.raw_kv_bytes,
+                                 "reprefill_ms": round(reprefill_ms, 1), "identical": got == ref,
+                                 "tokens": len(got), "gaps_ms": [round(g * 1000) for g in gaps], "mig_at": idx})
+                    progress(f"  {rows[-1]}")
+                    for x in (m, twin):
+                        try:
+                            x.close()
+                        except Exception:
+                            pass
+    finally:
+        a.stop()
+        b.stop()
+    return {"rows": rows, "targets": _targets(rows)}
+
+
+def _targets(rows: list[dict]) -> dict:
+    live = {r["context"]: r for r in rows if r["mode"] == "live"}
+    stop = {r["context"]: r for r in rows if r["mode"] == "stop-copy"}
+    out = {"identical_everywhere": all(r["identical"] for r in rows),
+           "live_downtime_max_ms": max((r["downtime_ms"] for r in live.values()), default=None)}
+    if live:
+        lo, hi = min(live), max(live)
+        out["live_downtime_ratio_largest_vs_smallest"] = round(
+            live[hi]["downtime_ms"] / max(live[lo]["downtime_ms"], 1e-3), 2)
+    mid = [c for c in stop if 1500 <= c <= 2600]
+    if mid:
+        r = stop[mid[0]]
+        out["stop_copy_total_over_reprefill_at_2048"] = round(r["total_ms"] / r["reprefill_ms"], 4)
+    return out
+
+
+def plot(result: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    ctxs = sorted({r["context"] for r in rows})
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for mode, style in (("live", "o-"), ("stop-copy", "s-")):
+        ys = [next(r["downtime_ms"] for r in rows if r["context"] == c and r["mode"] == mode) for c in ctxs]
+        ax.plot(ctxs, ys, style, label=f"{mode} (downtime)")
+    rp = [next(r["reprefill_ms"] for r in rows if r["context"] == c) for c in ctxs]
+    ax.plot(ctxs, rp, "^--", label="re-prefill on the target")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(ctxs, [str(c) for c in ctxs])
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("pause seen by the client (ms)")
+    ax.set_title("kvferry: moving a generating SmolLM2 conversation between hosts")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -126,6 +126,12 @@ class Snapshotter:
         import mlx.core as mx
 
         mx.eval([o[3] for o in out], [o[4] for o in out])
+        # Copy out now (a memcpy) rather than keep views: a view pins the cache's
+        # buffer, and every later step would then copy the whole cache instead of
+        # updating it in place.
+        out = [(i, a, b, _np_bits(k) if meta is None else [_mx_bits(x) for x in k],
+                _np_bits(v) if meta is None else [_mx_bits(x) for x in v], meta)
+               for i, a, b, k, v, meta in out]
         self.sent_tokens = n
         return out
 
@@ -135,11 +141,11 @@ class Snapshotter:
             t = time.perf_counter()
             body: dict[str, Any] = {"layer": i, "start": t0, "end": n}
             if meta is None:
-                body["keys"] = self._enc(*_np_bits(k), role="keys")
-                body["values"] = self._enc(*_np_bits(v))
+                body["keys"] = self._enc(*k, role="keys")
+                body["values"] = self._enc(*v)
             else:
-                body["keys"] = [self._enc(*_mx_bits(x), exact=True) for x in k]
-                body["values"] = [self._enc(*_mx_bits(x), exact=True) for x in v]
+                body["keys"] = [self._enc(*x, exact=True) for x in k]
+                body["values"] = [self._enc(*x, exact=True) for x in v]
                 body["meta"] = meta
             frame = self.w.frame(KV, body)
             if self.pace:  # live pre-copy: leave the CPU to generation (duty cycle 1 / (1 + pace))

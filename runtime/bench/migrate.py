@@ -64,9 +64,15 @@ class _Host:
             pass
 
 
-def _prompt(tokens: int) -> str:
-    # ~25 tokens per filler sentence; the chat template adds a few more
-    return "Read this log and continue it.\n" + FILLER * max(1, tokens // 25)
+def _prompt(tokens: int, limit: int) -> str:
+    """Text of about ``tokens`` tokens (never past ``limit``) for the default model."""
+    from transformers import AutoTokenizer
+
+    from runtime.models import resolve
+
+    tok = AutoTokenizer.from_pretrained(str(resolve(None, progress=False)))
+    ids = tok.encode(FILLER * (tokens // 20 + 1), add_special_tokens=False)[:min(tokens, limit)]
+    return "Read this log and continue it.\n" + tok.decode(ids)
 
 
 def run(contexts=(512, 2048, 8192), generate: int = 48, migrate_after: int = 8,
@@ -80,7 +86,7 @@ def run(contexts=(512, 2048, 8192), generate: int = 48, migrate_after: int = 8,
         ca, cb = Client(a.address, token), Client(b.address, token)
         with tempfile.TemporaryDirectory() as d:
             for ctx in contexts:
-                prompt = _prompt(ctx)
+                prompt = _prompt(ctx, 8192 - 2 * generate - 96)
                 base = ca.create_session(max_tokens=generate, ignore_eos=True)
                 list(base.send(prompt))
                 n_ctx = base.info()["tokens"]
@@ -117,9 +123,11 @@ def run(contexts=(512, 2048, 8192), generate: int = 48, migrate_after: int = 8,
                     times = [s for s, i in stamps if i >= 0]
                     gaps = [y - x for x, y in zip(times, times[1:])]
                     idx = next(i for i, s in enumerate(times) if s >= t_mig)
-                    around = gaps[max(0, idx - 1): idx + 2]
-                    normal = statistics.median(gaps[:max(1, idx - 2)] + gaps[idx + 3:])
-                    downtime = max(around) - normal
+                    end = next((i for i, s in enumerate(times) if s >= t_mig + mig.seconds), len(times) - 1)
+                    # every gap from the migration's start to the first token after it ends
+                    window = gaps[max(0, idx - 1): end + 1]
+                    normal = statistics.median(gaps[:max(1, idx - 1)])
+                    downtime = max(window) - normal
                     rows.append({"context": n_ctx, "mode": "live" if live else "stop-copy",
                                  "downtime_ms": round(downtime * 1000, 1),
                                  "normal_gap_ms": round(normal * 1000, 1),

@@ -1,0 +1,111 @@
+"""Migration faults on in-process hosts (real gRPC on loopback, tiny model):
+a corrupted frame, two migrations of one session at once, a dropped connection."""
+
+import threading
+import time
+
+import pytest
+
+from runtime.host import ModelHost
+from runtime.sdk import Client, RemoteError
+from runtime.server import HostServer
+
+TOKEN = "faults"
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model):
+    hosts = [ModelHost(str(tiny_model), progress=False) for _ in range(2)]
+    servers = [HostServer(h, "127.0.0.1:0", token=TOKEN).start() for h in hosts]
+    yield servers
+    for s, h in zip(servers, hosts):
+        s.stop()
+        h.close()
+
+
+def conversation(srv, max_tokens=12):
+    c = Client(srv.address, TOKEN)
+    s = c.create_session(max_tokens=max_tokens, ignore_eos=True)
+    twin = c.create_session(max_tokens=max_tokens, ignore_eos=True)
+    assert "".join(s.send("hello there")) == "".join(twin.send("hello there"))
+    return c, s, twin
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_corrupted_frame_leaves_the_session_on_the_source(pair, monkeypatch, live):
+    from checkpoint import snapshot
+
+    a, b = pair
+    c, s, twin = conversation(a)
+    real = snapshot.Snapshotter.finish
+
+    def corrupt(self):
+        for i, frame in enumerate(real(self)):
+            if i == 1:
+                frame = frame[:-5] + bytes([frame[-5] ^ 0xFF]) + frame[-4:]
+            yield frame
+    monkeypatch.setattr(snapshot.Snapshotter, "finish", corrupt)
+    with pytest.raises(RemoteError, match="checksum mismatch"):
+        s.migrate(to=b.address, live=live)
+    monkeypatch.setattr(snapshot.Snapshotter, "finish", real)
+    assert s.host == a.address and s.id in a.host.sessions and s.id not in b.host.sessions
+    assert not b.incoming or all(v.prepared is None for v in b.incoming.values())
+    assert "".join(s.send("more")) == "".join(twin.send("more"))
+
+
+def test_two_migrations_at_once_one_is_refused(pair):
+    a, b = pair
+    c, s, twin = conversation(a, max_tokens=40)
+    results = []
+
+    def go():
+        try:
+            results.append(Client(a.address, TOKEN).session(s.id).migrate(to=b.address, live=True))
+        except RemoteError as e:
+            results.append(e)
+    chunks = []
+    th = threading.Thread(target=lambda: chunks.extend(s.events("keep going")))
+    th.start()
+    while not chunks:
+        time.sleep(0.01)
+    ts = [threading.Thread(target=go) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    th.join(60)
+    errors = [r for r in results if isinstance(r, RemoteError)]
+    assert len(results) == 2 and len(errors) == 1
+    assert "already in progress" in str(errors[0])
+    # the session exists exactly once, and its stream continued intact
+    assert (s.id in a.host.sessions) + (s.id in b.host.sessions) == 1
+    ref = [x.token for x in twin.events("keep going") if x.token >= 0]
+    assert [x.token for x in chunks if x.token >= 0] == ref
+
+
+def test_dropped_connection_resumes_from_the_last_verified_frame(pair, monkeypatch):
+    """The link drops after a few frames; the source reconnects with the same
+    migration id and the target asks only for what it has not verified."""
+    import grpc
+
+    from runtime import server
+
+    a, b = pair
+    c, s, twin = conversation(a)
+    real_next = server._Link._next_ack
+    state = {"dropped": False, "resumed_at": None}
+
+    def flaky(self):
+        if not state["dropped"] and self.acked >= 3:
+            state["dropped"] = True
+            self.close()
+            self._connect()  # what _next_ack does after UNAVAILABLE
+            state["resumed_at"] = self.acked
+        return real_next(self)
+    monkeypatch.setattr(server._Link, "_next_ack", flaky)
+    m = s.migrate(to=b.address)
+    assert state["dropped"] and state["resumed_at"] >= 3
+    assert s.host == b.address and s.id in b.host.sessions and s.id not in a.host.sessions
+    assert "".join(s.send("more")) == "".join(twin.send("more"))
+    assert m.bytes > 0
+    del grpc

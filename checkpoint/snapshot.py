@@ -79,6 +79,7 @@ class Snapshotter:
         self.raw_kv_bytes = 0
         self.kind = _cache_kind(session.cache[0])
         self.pace = 0.0  # seconds to sleep after each KV frame (set by live pre-copy stages)
+        self.epoch = session.kv_epoch
 
     @property
     def incremental(self) -> bool:
@@ -167,6 +168,9 @@ class Snapshotter:
 
     def finish(self) -> Iterator[bytes]:
         """Remaining KV, then state, guest and trailer."""
+        if self.s.kv_epoch != self.epoch and self.sent_tokens:
+            raise CheckpointError("the KV cache was rewritten (a new turn trimmed it) after part of "
+                                  "it was sent; migrate again")
         yield from self.kv()
         s = self.s
         if not self.incremental:

@@ -192,8 +192,8 @@ class HostServer:
         self.moved: dict[str, str] = {}  # session id -> where it went
         self.incoming: dict[str, Incoming] = {}
         self._lock = threading.Lock()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=grpc_options(),
-                                  interceptors=[AuthInterceptor(token)])
+        self.executor = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvferry-rpc")
+        self.server = grpc.server(self.executor, options=grpc_options(), interceptors=[AuthInterceptor(token)])
         pbg.add_SessionsServicer_to_server(_Sessions(self), self.server)
         pbg.add_MigrationServicer_to_server(_Migration(self), self.server)
         if tls is not None and tls.cert:
@@ -213,6 +213,9 @@ class HostServer:
 
     def stop(self, grace: float = 1.0) -> None:
         self.server.stop(grace).wait()
+        # join the RPC threads now: threads that ran MLX work must not be torn down
+        # at interpreter exit (their thread-local MLX state would abort the process)
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
     def _janitor(self) -> None:
         while True:

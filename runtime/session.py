@@ -201,6 +201,7 @@ class Session:
         self._logits = None
         self.last = TurnStats()
         self.turn: TurnState | None = None
+        self.kv_epoch = 0  # bumped whenever cached KV is rewritten (trim/reset), not just appended
         self.closed = False
         if configure:  # restored sessions bring their guest memory (config, PRNG) instead
             self.configure(sampling)
@@ -321,6 +322,7 @@ class Session:
             common = max(0, common - 1)
         drop = len(self.history) - common
         if drop:
+            self.kv_epoch += 1
             if can_trim_prompt_cache(self.cache) and trim_prompt_cache(self.cache, drop) == drop:
                 del self.history[common:]
             else:  # a rotated cache cannot be trimmed: rebuild it

@@ -105,34 +105,38 @@ class Snapshotter:
         }
         return self.w.frame(HEADER, head)
 
-    def extract(self, upto: int | None = None) -> list[tuple]:
-        """Take the KV of tokens [sent_tokens, upto) out of the cache (hold the host's
-        compute lock while calling this if the session may be generating). Returns
-        evaluated MLX views: no copy is made here, so the lock is held briefly; the
-        views keep their buffers alive while the cache moves on."""
+    def extract(self, upto: int | None = None, lock=None) -> list[tuple]:
+        """Copy the KV of tokens [sent_tokens, upto) out of the cache.
+
+        With ``lock`` (the host's compute lock, for a session that may be
+        generating) each layer is copied under its own short hold: steps only
+        append, so the range stays valid between layers. Copies, not views: a
+        view would pin the cache's buffer and make every later step copy the
+        whole cache instead of updating it in place."""
+        import contextlib
+
+        import mlx.core as mx
+
         s = self.s
         n = len(s.history) if upto is None else upto
         t0 = self.sent_tokens
         if not self.incremental or n <= t0:
             return []
         out = []
-        for i, c in enumerate(s.cache):
-            if c.offset < n:
-                raise CheckpointError(f"layer {i} cache holds {c.offset} tokens, history has {n}")
-            if self.kind == "KVCache":
-                out.append((i, t0, n, c.keys[..., t0:n, :], c.values[..., t0:n, :], None))
-            else:  # QuantizedKVCache: (packed, scales, biases) per side, stored exactly
-                out.append((i, t0, n, [x[..., t0:n, :] for x in c.keys], [x[..., t0:n, :] for x in c.values],
-                            {"group_size": c.group_size, "bits": c.bits}))
-        import mlx.core as mx
-
-        mx.eval([o[3] for o in out], [o[4] for o in out])
-        # Copy out now (a memcpy) rather than keep views: a view pins the cache's
-        # buffer, and every later step would then copy the whole cache instead of
-        # updating it in place.
-        out = [(i, a, b, _np_bits(k) if meta is None else [_mx_bits(x) for x in k],
-                _np_bits(v) if meta is None else [_mx_bits(x) for x in v], meta)
-               for i, a, b, k, v, meta in out]
+        for i in range(len(s.cache)):
+            with lock if lock is not None else contextlib.nullcontext():
+                c = s.cache[i]
+                if c.offset < n:
+                    raise CheckpointError(f"layer {i} cache holds {c.offset} tokens, history has {n}")
+                if self.kind == "KVCache":
+                    k, v = c.keys[..., t0:n, :], c.values[..., t0:n, :]
+                    mx.eval(k, v)
+                    out.append((i, t0, n, _np_bits(k), _np_bits(v), None))
+                else:  # QuantizedKVCache: (packed, scales, biases) per side, stored exactly
+                    out.append((i, t0, n, [_mx_bits(x[..., t0:n, :]) for x in c.keys],
+                                [_mx_bits(x[..., t0:n, :]) for x in c.values],
+                                {"group_size": c.group_size, "bits": c.bits}))
+                del c
         self.sent_tokens = n
         return out
 

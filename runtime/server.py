@@ -291,7 +291,8 @@ class HostServer:
                 sn.pace = t.pace
                 for _ in range(t.max_stages):  # pre-copy: the session keeps generating
                     with self.host.compute:
-                        extracted = sn.extract()
+                        upto = len(s.history)
+                    extracted = sn.extract(upto, lock=self.host.compute)  # a short hold per layer
                     link.send(list(sn.encode(extracted)))
                     if len(s.history) - sn.sent_tokens < t.final_delta:
                         break

@@ -6,7 +6,6 @@ driven sessions (``runtime.session``) replace it as the runtime's main path.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -37,9 +36,7 @@ def stream_chat(lm: LoadedModel, messages: list[dict], *, max_tokens: int = 128,
 
     mx.random.seed(seed)
     prompt = chat_prompt(lm, messages)
-    t0 = time.perf_counter()
     for r in stream_generate(lm.model, lm.tokenizer, prompt, max_tokens=max_tokens,
                              sampler=make_sampler(temp=temp)):
         yield Chunk(r.text, r.token, r.prompt_tokens, r.prompt_tps, r.generation_tokens,
                     r.generation_tps, r.finish_reason)
-    _ = t0

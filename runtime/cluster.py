@@ -34,29 +34,26 @@ UNHEALTHY_AFTER_S = 10.0
 @ray.remote(num_cpus=0)
 class Controller:
     def __init__(self) -> None:
-        self.hosts: dict[str, dict] = {}
+        self._hosts: dict[str, dict] = {}
         self.directory: dict[str, str] = {}
 
     def register_host(self, address: str, model: str, node: str) -> None:
-        self.hosts[address] = {"address": address, "model": model, "node": node, "sessions": 0,
+        self._hosts[address] = {"address": address, "model": model, "node": node, "sessions": 0,
                                "last_seen": time.time()}
 
     def unregister_host(self, address: str) -> None:
-        self.hosts.pop(address, None)
+        self._hosts.pop(address, None)
 
     def heartbeat(self, address: str, sessions: int) -> None:
-        if address in self.hosts:
-            self.hosts[address].update(sessions=sessions, last_seen=time.time())
-
-    def hosts_list(self) -> list[dict]:
-        now = time.time()
-        return [{**h, "healthy": now - h["last_seen"] < UNHEALTHY_AFTER_S} for h in self.hosts.values()]
+        if address in self._hosts:
+            self._hosts[address].update(sessions=sessions, last_seen=time.time())
 
     def hosts(self) -> list[dict]:
-        return self.hosts_list()
+        now = time.time()
+        return [{**h, "healthy": now - h["last_seen"] < UNHEALTHY_AFTER_S} for h in self._hosts.values()]
 
     def place(self, requested: str | None = None, model: str | None = None) -> str | None:
-        healthy = [h for h in self.hosts_list() if h["healthy"] and (model is None or h["model"] == model)]
+        healthy = [h for h in self.hosts() if h["healthy"] and (model is None or h["model"] == model)]
         if requested:
             return requested if any(h["address"] == requested for h in healthy) else None
         return min(healthy, key=lambda h: h["sessions"])["address"] if healthy else None

@@ -137,10 +137,6 @@ class _ArenaCreator:
 
 # ----------------------------------------------------------------------------- engine
 
-def _valtype_names(types) -> list[str]:
-    return [str(t) for t in types]
-
-
 class GuestEngine:
     """Compiles modules and instantiates sandboxed guests. One per process is typical."""
 

@@ -135,9 +135,7 @@ class MigrationTicket:
     final_delta: int = 4  # pause once fewer tokens than this remain to send
     pace: float = 1.0  # pre-copy: after encoding a frame, sleep that long again (generation keeps its CPU)
     progress: "queue.Queue[Any]" = field(default_factory=queue.Queue)
-    done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
-    committed: bool = False
     pause_ms: float = 0.0
 
 
@@ -306,7 +304,6 @@ class HostServer:
             with self._lock:
                 self.moved[sid] = t.target
                 self.slots.pop(sid, None)
-            t.committed = True
             t.pause_ms = (time.perf_counter() - t_pause) * 1000
             self.unpause(slot, pause)  # the client's stream moves on to the target right away
             pause = None
@@ -336,7 +333,6 @@ class HostServer:
             t.error = f"{type(e).__name__}: {e}"
         finally:
             slot.migrating = False
-            t.done.set()
             t.progress.put(None)
 
 

@@ -106,6 +106,49 @@ class Migration:
     def ratio(self) -> float:
         return self.raw_kv_bytes / self.bytes if self.bytes else 0.0
 
+    @classmethod
+    def from_progress(cls, session_id: str, to: str, last: pb.MigrateProgress | None) -> "Migration":
+        if last is None or not last.done:
+            raise RemoteError(f"migration of {session_id} to {to} did not complete")
+        return cls(to, last.bytes_sent, last.seconds, last.raw_kv_bytes, last.tokens, last.pause_ms)
+
+
+class _TurnFollower:
+    """One turn's token stream across migrations: deliver each token once, in
+    order; after ``moved_to``, resend the request (nothing ran at the old host)
+    or continue the turn from the next index (it moved mid-reply)."""
+
+    HOPS = 8  # at most a few hops per turn
+
+    def __init__(self, session_id: str, text: str, role: str):
+        self.session_id = session_id
+        self.request = pb.SendRequest(session_id=session_id, text=text, role=role)
+        self.next_index = 0
+        self.moved: str | None = None
+        self._mid_turn = False
+
+    def accept(self, c: pb.TokenChunk) -> bool:
+        """True if ``c`` is to be delivered; a ``moved_to`` chunk ends this stream."""
+        if c.moved_to:
+            self.moved, self._mid_turn = c.moved_to, c.index >= 0
+            return False
+        if c.token >= 0:
+            if c.index < self.next_index:
+                return False  # never repeat a token
+            self.next_index = c.index + 1
+        return True
+
+    def hop(self) -> str | None:
+        """After a stream ends: the host to continue at, or None when the turn is done."""
+        moved, self.moved = self.moved, None
+        if moved and self._mid_turn:
+            self.request = pb.SendRequest(session_id=self.session_id, continue_turn=True,
+                                          from_index=self.next_index)
+        return moved
+
+    def gave_up(self) -> RemoteError:
+        return RemoteError(f"session {self.session_id} kept moving; giving up")
+
 
 class Client:
     """A connection to one session host (any host of a cluster can list the others)."""
@@ -208,35 +251,26 @@ class RemoteSession:
 
     def events(self, text: str, role: str = "user") -> Iterator[pb.TokenChunk]:
         """Token chunks as they arrive, continuing across migrations."""
-        req = pb.SendRequest(session_id=self.id, text=text, role=role)
-        next_index = 0
-        for _ in range(8):  # at most a few hops per turn
-            moved, moved_mid_turn = None, False
+        f = _TurnFollower(self.id, text, role)
+        for _ in range(f.HOPS):
             try:
-                for c in self.client._stub(self.host).Send(req, metadata=auth_metadata(self.client.token),
+                for c in self.client._stub(self.host).Send(f.request, metadata=auth_metadata(self.client.token),
                                                           timeout=self.client.timeout):
-                    if c.moved_to:
-                        moved = c.moved_to
-                        moved_mid_turn = c.index >= 0
+                    if f.accept(c):
+                        if c.token < 0:
+                            self.last = {"finish_reason": c.finish_reason, "tokens": f.next_index,
+                                         "prompt_tokens": c.stats.prompt_tokens,
+                                         "generation_tps": c.stats.generation_tps,
+                                         "prompt_tps": c.stats.prompt_tps}
+                        yield c
+                    elif f.moved:
                         break
-                    if c.token >= 0:
-                        if c.index < next_index:
-                            continue  # never repeat a token
-                        next_index = c.index + 1
-                    else:
-                        self.last = {"finish_reason": c.finish_reason, "tokens": next_index,
-                                     "prompt_tokens": c.stats.prompt_tokens,
-                                     "generation_tps": c.stats.generation_tps,
-                                     "prompt_tps": c.stats.prompt_tps}
-                    yield c
             except grpc.RpcError as e:
                 raise _translate(e, self.host) from None
-            if moved is None:
+            if (host := f.hop()) is None:
                 return
-            self.host = moved
-            if moved_mid_turn:  # else: nothing ran at the old host; repeat the request there
-                req = pb.SendRequest(session_id=self.id, continue_turn=True, from_index=next_index)
-        raise RemoteError(f"session {self.id} kept moving; giving up")
+            self.host = host
+        raise f.gave_up()
 
     def send(self, text: str, role: str = "user") -> Iterator[str]:
         """Yield the reply's text pieces as they arrive."""
@@ -257,10 +291,9 @@ class RemoteSession:
                     progress(p)
         except grpc.RpcError as e:
             raise _translate(e, self.host) from None
-        if last is None or not last.done:
-            raise RemoteError(f"migration of {self.id} to {to} did not complete")
+        m = Migration.from_progress(self.id, to, last)
         self.host = to
-        return Migration(to, last.bytes_sent, last.seconds, last.raw_kv_bytes, last.tokens, last.pause_ms)
+        return m
 
     def snapshot(self, path: str | os.PathLike, mode: str = "lossless") -> dict:
         tmp = f"{path}.part"
@@ -369,31 +402,22 @@ class AsyncRemoteSession:
         self.client, self.id, self.host = client, session_id, host
 
     async def send(self, text: str, role: str = "user") -> AsyncIterator[str]:
-        req = pb.SendRequest(session_id=self.id, text=text, role=role)
-        next_index = 0
-        for _ in range(8):
-            moved, moved_mid_turn = None, False
+        f = _TurnFollower(self.id, text, role)
+        for _ in range(f.HOPS):
             try:
-                async for c in self.client._stub(self.host).Send(req, metadata=auth_metadata(self.client.token),
+                async for c in self.client._stub(self.host).Send(f.request, metadata=auth_metadata(self.client.token),
                                                                 timeout=self.client.timeout):
-                    if c.moved_to:
-                        moved = c.moved_to
-                        moved_mid_turn = c.index >= 0
+                    if f.accept(c):
+                        if c.text:
+                            yield c.text
+                    elif f.moved:
                         break
-                    if c.token >= 0:
-                        if c.index < next_index:
-                            continue
-                        next_index = c.index + 1
-                    if c.text:
-                        yield c.text
             except grpc.RpcError as e:
                 raise _translate(e, self.host) from None
-            if moved is None:
+            if (host := f.hop()) is None:
                 return
-            self.host = moved
-            if moved_mid_turn:
-                req = pb.SendRequest(session_id=self.id, continue_turn=True, from_index=next_index)
-        raise RemoteError(f"session {self.id} kept moving; giving up")
+            self.host = host
+        raise f.gave_up()
 
     async def migrate(self, to: str, *, to_token: str | None = None, mode: str = "lossless") -> Migration:
         last = None
@@ -404,10 +428,9 @@ class AsyncRemoteSession:
                 last = p
         except grpc.RpcError as e:
             raise _translate(e, self.host) from None
-        if last is None or not last.done:
-            raise RemoteError(f"migration of {self.id} to {to} did not complete")
+        m = Migration.from_progress(self.id, to, last)
         self.host = to
-        return Migration(to, last.bytes_sent, last.seconds, last.raw_kv_bytes, last.tokens)
+        return m
 
     async def snapshot(self, path: str | os.PathLike, mode: str = "lossless") -> dict:
         out = bytearray()

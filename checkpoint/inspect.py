@@ -36,15 +36,19 @@ def inspect(path: str | os.PathLike, *, decode: bool = True) -> dict:
             if fr.kind == HEADER:
                 out["header"] = b
             elif fr.kind == KV:
-                i = b.get("layer")
-                row = layers.setdefault(i, {"layer": i, "frames": 0, "bytes": 0, "raw_bytes": 0, "tokens": 0})
-                row["frames"] += 1
-                row["bytes"] += fr.nbytes
-                row["tokens"] = max(row["tokens"], b.get("end", 0))
-                for blob in _blobs(b):
-                    row["raw_bytes"] += int(blob.get("nbytes") or 0)
-                    if decode:
-                        codecs.decode(blob, fr.name)
+                entries = b.get("batch") if isinstance(b.get("batch"), list) else [b]
+                for e in entries:  # a batch frame's bytes are shared out evenly
+                    e = e if isinstance(e, dict) else {}
+                    i = e.get("layer")
+                    row = layers.setdefault(i, {"layer": i, "frames": 0, "bytes": 0, "raw_bytes": 0,
+                                                "tokens": 0})
+                    row["frames"] += 1
+                    row["bytes"] += fr.nbytes // len(entries)
+                    row["tokens"] = max(row["tokens"], e.get("end", 0))
+                    for blob in _blobs(e):
+                        row["raw_bytes"] += int(blob.get("nbytes") or 0)
+                        if decode:
+                            codecs.decode(blob, fr.name)
             elif fr.kind == STATE:
                 out["tokens"] = b.get("n_tokens")
                 out["messages"] = len(b.get("messages") or [])

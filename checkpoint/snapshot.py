@@ -105,14 +105,15 @@ class Snapshotter:
         }
         return self.w.frame(HEADER, head)
 
-    def extract(self, upto: int | None = None, lock=None) -> list[tuple]:
-        """Copy the KV of tokens [sent_tokens, upto) out of the cache.
+    def extract(self, upto: int | None = None, lock=None, budget: float = 0.008) -> Iterator[tuple]:
+        """Copy the KV of tokens [sent_tokens, upto) out of the cache, layer by layer.
 
         With ``lock`` (the host's compute lock, for a session that may be
-        generating) each layer is copied under its own short hold: steps only
-        append, so the range stays valid between layers. Copies, not views: a
-        view would pin the cache's buffer and make every later step copy the
-        whole cache instead of updating it in place."""
+        generating) the copies happen under short holds of about ``budget``
+        seconds (at least one layer each): steps only append, so the range stays
+        valid between holds. Copies, not views: a view would pin the cache's
+        buffer and make every later step copy the whole cache instead of
+        updating it in place."""
         import contextlib
 
         import mlx.core as mx
@@ -121,27 +122,34 @@ class Snapshotter:
         n = len(s.history) if upto is None else upto
         t0 = self.sent_tokens
         if not self.incremental or n <= t0:
-            return []
-        out = []
-        for i in range(len(s.cache)):
-            with lock if lock is not None else contextlib.nullcontext():
-                c = s.cache[i]
-                if c.offset < n:
-                    raise CheckpointError(f"layer {i} cache holds {c.offset} tokens, history has {n}")
-                if self.kind == "KVCache":
-                    k, v = c.keys[..., t0:n, :], c.values[..., t0:n, :]
-                    mx.eval(k, v)
-                    out.append((i, t0, n, _np_bits(k), _np_bits(v), None))
-                else:  # QuantizedKVCache: (packed, scales, biases) per side, stored exactly
-                    out.append((i, t0, n, [_mx_bits(x[..., t0:n, :]) for x in c.keys],
-                                [_mx_bits(x[..., t0:n, :]) for x in c.values],
-                                {"group_size": c.group_size, "bits": c.bits}))
-                del c
+            return
         self.sent_tokens = n
-        return out
+        i, layers = 0, len(s.cache)
+        while i < layers:
+            out = []
+            with lock if lock is not None else contextlib.nullcontext():
+                start = time.perf_counter()
+                while i < layers and (not out or lock is None or time.perf_counter() - start < budget):
+                    c = s.cache[i]
+                    if c.offset < n:
+                        raise CheckpointError(f"layer {i} cache holds {c.offset} tokens, history has {n}")
+                    if self.kind == "KVCache":
+                        k, v = c.keys[..., t0:n, :], c.values[..., t0:n, :]
+                        mx.eval(k, v)
+                        out.append((i, t0, n, _np_bits(k), _np_bits(v), None))
+                    else:  # QuantizedKVCache: (packed, scales, biases) per side, stored exactly
+                        out.append((i, t0, n, [_mx_bits(x[..., t0:n, :]) for x in c.keys],
+                                    [_mx_bits(x[..., t0:n, :]) for x in c.values],
+                                    {"group_size": c.group_size, "bits": c.bits}))
+                    del c
+                    i += 1
+            yield from out  # encoded outside the hold
 
-    def encode(self, extracted: list[tuple]) -> Iterator[bytes]:
-        """KV frames from :meth:`extract`'s copies (no lock needed)."""
+    def encode(self, extracted: Iterable[tuple], batch: bool = False) -> Iterator[bytes]:
+        """KV frames from :meth:`extract`'s copies (no lock needed): one per layer,
+        or with ``batch`` one frame for all of them (a small final delta, where
+        per-frame costs would dominate)."""
+        bodies = []
         for i, t0, n, k, v, meta in extracted:
             t = time.perf_counter()
             body: dict[str, Any] = {"layer": i, "start": t0, "end": n}
@@ -152,14 +160,19 @@ class Snapshotter:
                 body["keys"] = [self._enc(*x, exact=True) for x in k]
                 body["values"] = [self._enc(*x, exact=True) for x in v]
                 body["meta"] = meta
+            if batch:
+                bodies.append(body)
+                continue
             frame = self.w.frame(KV, body)
             if self.pace:  # live pre-copy: leave the CPU to generation (duty cycle 1 / (1 + pace))
                 time.sleep((time.perf_counter() - t) * self.pace)
             yield frame
+        if bodies:
+            yield self.w.frame(KV, {"batch": bodies})
 
-    def kv(self, upto: int | None = None) -> Iterator[bytes]:
+    def kv(self, upto: int | None = None, batch: bool = False) -> Iterator[bytes]:
         """KV frames for tokens [sent_tokens, upto) of every layer (a delta)."""
-        yield from self.encode(self.extract(upto))
+        yield from self.encode(self.extract(upto), batch)
 
     def _enc(self, u: np.ndarray, dtype: str, exact: bool = False, role: str = "values") -> dict:
         self.raw_kv_bytes += u.nbytes
@@ -175,7 +188,8 @@ class Snapshotter:
         if self.s.kv_epoch != self.epoch and self.sent_tokens:
             raise CheckpointError("the KV cache was rewritten (a new turn trimmed it) after part of "
                                   "it was sent; migrate again")
-        yield from self.kv()
+        # after pre-copy only a few tokens remain: one frame for all layers
+        yield from self.kv(batch=0 < len(self.s.history) - self.sent_tokens <= 64 and self.sent_tokens > 0)
         s = self.s
         if not self.incremental:
             for i, c in enumerate(s.cache):
@@ -190,7 +204,7 @@ class Snapshotter:
         turn = None
         if s.turn is not None:
             turn = {"n_prompt": s.turn.n_prompt, "record": s.turn.record, "tokens": list(s.turn.tokens),
-                    "texts": list(s.turn.texts)}
+                    "texts": list(s.turn.texts), "max_tokens": s.turn.max_tokens}
         yield self.w.frame(STATE, {
             "n_tokens": len(s.history), "history": codecs.encode_bytes(history.tobytes()),
             "messages": s.messages, "sampling": _plain(asdict(s.sampling)), "turn": turn,
@@ -267,7 +281,15 @@ class Restorer:
         elif self.header is None:
             raise CheckpointError(f"{where}: arrives before the header")
         elif f.kind == KV:
-            self._kv(f.body, where)
+            batch = f.body.get("batch")
+            if batch is None:
+                self._kv(f.body, where)
+            elif not (isinstance(batch, list) and 0 < len(batch) <= len(self.chunks)
+                      and all(isinstance(b, dict) and "batch" not in b for b in batch)):
+                raise CheckpointError(f"{where}: malformed KV batch")
+            else:
+                for j, b in enumerate(batch):
+                    self._kv(b, f"{where} entry {j}")
         elif f.kind == STATE:
             self.state = f.body
         elif f.kind == GUEST:
@@ -460,10 +482,11 @@ class Restorer:
                 toks, texts = turn.get("tokens"), turn.get("texts")
                 if not (isinstance(toks, list) and isinstance(texts, list) and len(toks) == len(texts)
                         and all(isinstance(t, int) and 0 <= t < vocab for t in toks)
-                        and all(isinstance(t, str) for t in texts)):
+                        and all(isinstance(t, str) for t in texts)
+                        and isinstance(turn.get("max_tokens", 0), int) and turn.get("max_tokens", 0) >= 0):
                     raise CheckpointError("state frame: malformed turn in progress")
                 session.restore_turn(int(turn.get("n_prompt", 0)), bool(turn.get("record", True)),
-                                     toks, texts)
+                                     toks, texts, turn.get("max_tokens", 0))
         except BaseException:
             session.close()
             raise

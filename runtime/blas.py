@@ -147,4 +147,7 @@ def worker_env() -> dict[str, str]:
     env = {"KVFERRY_BLAS": s["path"] or ("reference" if s["kind"] == "reference" else "auto")}
     if s["path"] and sys.platform.startswith("linux"):
         env["LD_PRELOAD"] = s["path"]
+    for k in ("OPENBLAS_NUM_THREADS",):  # `kvferry serve --threads`
+        if os.environ.get(k):
+            env[k] = os.environ[k]
     return env

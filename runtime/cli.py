@@ -275,7 +275,8 @@ def cmd_bench_fuzz(a) -> int:
 def cmd_bench_migrate(a) -> int:
     from runtime.bench.migrate import plot, run
 
-    r = run(tuple(a.contexts), a.generate, progress=(lambda m: print(m, file=sys.stderr)))
+    r = run(tuple(a.contexts), a.generate, threads=a.threads or None,
+            progress=(lambda m: print(m, file=sys.stderr)))
     if a.plot:
         plot(r, a.plot)
     if a.json:
@@ -331,6 +332,10 @@ def cmd_serve(a) -> int:
 
     bind = f"{a.bind}:{a.port}"
     token = ensure_token(a.token, a.no_auth)
+    if a.threads is not None:
+        if a.threads < 1:
+            raise KvferryError(f"--threads must be at least 1, not {a.threads}")
+        os.environ["OPENBLAS_NUM_THREADS"] = str(a.threads)  # read when the host's BLAS loads
     if a.no_auth:
         from runtime.server import is_loopback
         if not is_loopback(a.bind):
@@ -467,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--token", help="shared secret (default: $KVFERRY_TOKEN or $KVFERRY_HOME/token)")
     sv.add_argument("--no-auth", action="store_true", help="no token (loopback addresses only)")
     sv.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or an embedded Ray)")
+    sv.add_argument("--threads", type=int, help="CPU threads for the model's matrix products (like llama.cpp "
+                    "-t; default: all cores). Give each host its share when several share a machine")
     tls_args(sv)
     tls_args(sv, "peer_tls", "client certificate for outgoing migrations:")
 
@@ -529,7 +536,10 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--json", action="store_true")
     bm = add(b, "migrate", cmd_bench_migrate, "live vs stop-and-copy vs re-prefill on two loopback hosts")
     bm.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
-    bm.add_argument("--generate", type=int, default=48, help="tokens generated per run")
+    bm.add_argument("--generate", type=int, default=400,
+                    help="reply limit; each run reads until 16 tokens after the handoff")
+    bm.add_argument("--threads", type=int, default=1,
+                    help="BLAS threads per host (both share this machine; 0: the BLAS default)")
     bm.add_argument("--plot", help="write a PNG figure (needs matplotlib)")
     bm.add_argument("--json", action="store_true")
     bz = add(b, "zero-copy", cmd_bench_zero_copy,

@@ -120,9 +120,9 @@ class _TurnFollower:
 
     HOPS = 8  # at most a few hops per turn
 
-    def __init__(self, session_id: str, text: str, role: str):
+    def __init__(self, session_id: str, text: str, role: str, max_tokens: int = 0):
         self.session_id = session_id
-        self.request = pb.SendRequest(session_id=session_id, text=text, role=role)
+        self.request = pb.SendRequest(session_id=session_id, text=text, role=role, max_tokens=max_tokens)
         self.next_index = 0
         self.moved: str | None = None
         self._mid_turn = False
@@ -132,6 +132,8 @@ class _TurnFollower:
         if c.moved_to:
             self.moved, self._mid_turn = c.moved_to, c.index >= 0
             return False
+        if c.finish_reason == "error":
+            raise RemoteError(f"session {self.session_id}: {c.text}")
         if c.token >= 0:
             if c.index < self.next_index:
                 return False  # never repeat a token
@@ -249,9 +251,10 @@ class RemoteSession:
     def __repr__(self) -> str:
         return f"RemoteSession({self.id!r} on {self.host})"
 
-    def events(self, text: str, role: str = "user") -> Iterator[pb.TokenChunk]:
-        """Token chunks as they arrive, continuing across migrations."""
-        f = _TurnFollower(self.id, text, role)
+    def events(self, text: str, role: str = "user", max_tokens: int = 0) -> Iterator[pb.TokenChunk]:
+        """Token chunks as they arrive, continuing across migrations (``max_tokens``:
+        this reply's limit, at most the session's)."""
+        f = _TurnFollower(self.id, text, role, max_tokens)
         for _ in range(f.HOPS):
             try:
                 for c in self.client._stub(self.host).Send(f.request, metadata=auth_metadata(self.client.token),
@@ -272,9 +275,9 @@ class RemoteSession:
             self.host = host
         raise f.gave_up()
 
-    def send(self, text: str, role: str = "user") -> Iterator[str]:
+    def send(self, text: str, role: str = "user", max_tokens: int = 0) -> Iterator[str]:
         """Yield the reply's text pieces as they arrive."""
-        for c in self.events(text, role):
+        for c in self.events(text, role, max_tokens):
             if c.text:
                 yield c.text
 
@@ -401,8 +404,8 @@ class AsyncRemoteSession:
     def __init__(self, client: AsyncClient, session_id: str, host: str):
         self.client, self.id, self.host = client, session_id, host
 
-    async def send(self, text: str, role: str = "user") -> AsyncIterator[str]:
-        f = _TurnFollower(self.id, text, role)
+    async def send(self, text: str, role: str = "user", max_tokens: int = 0) -> AsyncIterator[str]:
+        f = _TurnFollower(self.id, text, role, max_tokens)
         for _ in range(f.HOPS):
             try:
                 async for c in self.client._stub(self.host).Send(f.request, metadata=auth_metadata(self.client.token),

@@ -23,7 +23,7 @@ import time
 import uuid
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import grpc
 
@@ -39,7 +39,9 @@ from .host import ModelHost, UnknownSessionError
 from .session import SamplingParams, SessionError, SessionOptions
 
 MAX_MESSAGE = 64 << 20
-WINDOW = 8  # unacknowledged checkpoint frames in flight
+WINDOW_FRAMES = 256  # unacknowledged checkpoint frames in flight ...
+WINDOW_BYTES = 32 << 20  # ... and bytes: big KV frames are paced, small final ones are not
+ACK_EVERY_FRAMES, ACK_EVERY_BYTES = 16, 4 << 20  # the target acks this often (< the window)
 PREPARED_TTL = 120.0
 
 
@@ -133,7 +135,7 @@ class MigrationTicket:
     live: bool = False
     max_stages: int = 8
     final_delta: int = 4  # pause once fewer tokens than this remain to send
-    pace: float = 1.0  # pre-copy: after encoding a frame, sleep that long again (generation keeps its CPU)
+    pace: float = 3.0  # pre-copy: after encoding a frame, sleep 3x as long (generation keeps its CPU)
     progress: "queue.Queue[Any]" = field(default_factory=queue.Queue)
     error: str | None = None
     pause_ms: float = 0.0
@@ -147,6 +149,24 @@ class Pause:
     idle: bool = False  # the session was not generating: we hold its slot lock instead
     committed: bool = False
     target: str = ""
+
+
+@dataclass
+class TurnFeed:
+    """A turn the host drives itself (a migration landed mid-reply): generation
+    resumes at commit, not when the client reconnects, and every chunk is kept
+    so the client gets them from any index."""
+    chunks: list = field(default_factory=list)
+    done: bool = False
+    cancel: bool = False
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def put(self, c: Any = None, done: bool = False) -> None:
+        with self.cond:
+            if c is not None:
+                self.chunks.append(c)
+            self.done = self.done or done
+            self.cond.notify_all()
 
 
 @dataclass
@@ -189,6 +209,7 @@ class HostServer:
         self.slots: dict[str, Slot] = {}
         self.moved: dict[str, str] = {}  # session id -> where it went
         self.incoming: dict[str, Incoming] = {}
+        self.feeds: dict[str, TurnFeed] = {}
         self._lock = threading.Lock()
         self.executor = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvferry-rpc")
         self.server = grpc.server(self.executor, options=grpc_options(), interceptors=[AuthInterceptor(token)])
@@ -249,6 +270,41 @@ class HostServer:
                               kv_bytes=m["kv_bytes"], arena_bytes=m["arena_bytes"], model=s.lm.name,
                               in_turn=s.turn is not None)
 
+    # -- turns -----------------------------------------------------------------------
+    def run_turn(self, s, slot: Slot, events: Iterator, alive: Callable[[], bool]) -> Iterator[pb.TokenChunk]:
+        """A turn's chunks; between two steps, hold still for a migration and end
+        with ``moved_to`` once it committed. Stops early when ``alive()`` turns
+        false (the turn stays open for ``continue_turn``)."""
+        for ev in events:
+            yield pb.TokenChunk(index=ev.index, token=ev.token, text=ev.text,
+                                finish_reason=ev.finish_reason or "",
+                                stats=pb.TurnStats(prompt_tokens=s.last.prompt_tokens,
+                                                   prompt_tps=s.last.prompt_tps,
+                                                   generation_tokens=s.last.generation_tokens,
+                                                   generation_tps=s.last.generation_tps)
+                                if ev.finish_reason else None)
+            p = slot.pause_req
+            if p is not None and ev.finish_reason is None:  # a step boundary: hold still
+                p.paused.set()
+                p.resume.wait()
+                if p.committed:
+                    yield pb.TokenChunk(index=ev.index + 1, token=-1, moved_to=p.target)
+                    return
+            if not alive():
+                return
+
+    def drive(self, sid: str, slot: Slot, feed: TurnFeed) -> None:
+        """Generate a landed turn into ``feed`` (holds the slot like a Send would)."""
+        try:
+            s = self.host.get(sid)
+            for c in self.run_turn(s, slot, s.continue_turn(0), lambda: not feed.cancel):
+                feed.put(c)
+        except Exception as e:  # reported to whoever follows the feed; the session stays
+            feed.put(pb.TokenChunk(index=-1, token=-1, finish_reason="error", text=str(e)))
+        finally:
+            slot.lock.release()
+            feed.put(done=True)
+
     # -- migration (source side) ---------------------------------------------------
     def pause(self, sid: str, slot: Slot) -> Pause:
         """Stop the session between two steps (or, if idle, take its slot)."""
@@ -290,8 +346,9 @@ class HostServer:
                 for _ in range(t.max_stages):  # pre-copy: the session keeps generating
                     with self.host.compute:
                         upto = len(s.history)
-                    extracted = sn.extract(upto, lock=self.host.compute)  # a short hold per layer
-                    link.send(list(sn.encode(extracted)))
+                    # short holds of the compute lock to copy, encoding outside them;
+                    # each frame goes out as soon as it is encoded
+                    link.send(sn.encode(sn.extract(upto, lock=self.host.compute)))
                     if len(s.history) - sn.sent_tokens < t.final_delta:
                         break
             sn.pace = 0.0
@@ -304,6 +361,7 @@ class HostServer:
             with self._lock:
                 self.moved[sid] = t.target
                 self.slots.pop(sid, None)
+                self.feeds.pop(sid, None)
             t.pause_ms = (time.perf_counter() - t_pause) * 1000
             self.unpause(slot, pause)  # the client's stream moves on to the target right away
             pause = None
@@ -345,6 +403,7 @@ class _Link:
         self.on_ack = on_ack
         self.mid = uuid.uuid4().hex
         self.frames: list[bytes] = []
+        self.ends: list[int] = []  # bytes sent up to and including each frame
         self.acked = 0
         self.bytes = 0
         self.state = ""
@@ -386,13 +445,16 @@ class _Link:
                 time.sleep(0.2 * (attempt + 1))
                 self._connect()  # reconnect and resume from the last verified frame
 
-    def send(self, frames: list[bytes]) -> None:
+    def send(self, frames: Iterable[bytes]) -> None:
         for f in frames:
-            while len(self.frames) - self.acked >= WINDOW:
+            while self.acked < len(self.frames) and (
+                    len(self.frames) - self.acked >= WINDOW_FRAMES
+                    or self.bytes - (self.ends[self.acked - 1] if self.acked else 0) >= WINDOW_BYTES):
                 self._next_ack()
             self.reqs.put(pb.MigrationMessage(frame=pb.FramePart(seq=len(self.frames), data=f)))
             self.frames.append(f)
             self.bytes += len(f)
+            self.ends.append(self.bytes)
 
     def wait_restored(self) -> None:
         while self.state != "restored":
@@ -491,6 +553,10 @@ class _Sessions(pbg.SessionsServicer):
         if r.session_id in srv.moved:  # index -1: nothing ran here, send the same request there
             yield pb.TokenChunk(index=-1, token=-1, moved_to=srv.moved[r.session_id])
             return
+        feed = srv.feeds.get(r.session_id)
+        if r.continue_turn and feed is not None:
+            yield from self._follow(feed, r.from_index, context)
+            return
         slot = srv.slot(r.session_id)
         if not slot.lock.acquire(timeout=60):
             raise SessionError(f"session {r.session_id} is busy (a turn or migration is in progress)")
@@ -498,27 +564,30 @@ class _Sessions(pbg.SessionsServicer):
             if r.session_id in srv.moved:  # it left while we waited for the lock
                 yield pb.TokenChunk(index=-1, token=-1, moved_to=srv.moved[r.session_id])
                 return
+            srv.feeds.pop(r.session_id, None)  # a new request: a driven turn's chunks are history
             s = srv.host.get(r.session_id)
-            events = s.continue_turn(r.from_index) if r.continue_turn else s.send(r.text, r.role or "user")
-            for ev in events:
-                yield pb.TokenChunk(index=ev.index, token=ev.token, text=ev.text,
-                                    finish_reason=ev.finish_reason or "",
-                                    stats=pb.TurnStats(prompt_tokens=s.last.prompt_tokens,
-                                                       prompt_tps=s.last.prompt_tps,
-                                                       generation_tokens=s.last.generation_tokens,
-                                                       generation_tps=s.last.generation_tps)
-                                    if ev.finish_reason else None)
-                p = slot.pause_req
-                if p is not None and ev.finish_reason is None:  # a step boundary: hold still
-                    p.paused.set()
-                    p.resume.wait()
-                    if p.committed:
-                        yield pb.TokenChunk(index=ev.index + 1, token=-1, moved_to=p.target)
-                        return
-                if not context.is_active():
-                    return  # the client left; the turn stays open for continue_turn
+            events = s.continue_turn(r.from_index) if r.continue_turn else \
+                s.send(r.text, r.role or "user", max_tokens=r.max_tokens)
+            yield from srv.run_turn(s, slot, events, context.is_active)
         finally:
             slot.lock.release()
+
+    @staticmethod
+    def _follow(feed: TurnFeed, from_index: int, context) -> Iterator[pb.TokenChunk]:
+        i = 0
+        while True:
+            with feed.cond:
+                while i >= len(feed.chunks) and not feed.done:
+                    feed.cond.wait(0.5)
+                    if not context.is_active():
+                        return
+                batch, done = feed.chunks[i:], feed.done
+            i += len(batch)
+            for c in batch:
+                if c.token < 0 or c.index >= from_index:
+                    yield c
+            if done and i >= len(feed.chunks):
+                return
 
     @_guarded_stream
     def Snapshot(self, r, context):
@@ -563,6 +632,8 @@ class _Sessions(pbg.SessionsServicer):
     def Close(self, r, context):
         srv = self.srv
         slot = srv.slot(r.session_id)
+        if (feed := srv.feeds.pop(r.session_id, None)) is not None:
+            feed.cancel = True
         if not slot.lock.acquire(timeout=30):
             raise SessionError(f"session {r.session_id} is busy")
         try:
@@ -598,6 +669,7 @@ class _Migration(pbg.MigrationServicer):
     def Transfer(self, request_iterator, context):
         srv = self.srv
         inc: Incoming | None = None
+        acked_seq, unacked = 0, 0
         try:
             for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
@@ -616,6 +688,7 @@ class _Migration(pbg.MigrationServicer):
                             inc = Incoming(b.session_id, ck.Restorer(srv.host, session_id=b.session_id))
                             srv.incoming[b.migration_id] = inc
                         mid = b.migration_id
+                    acked_seq, unacked = inc.next_seq, 0
                     yield pb.MigrationAck(state="ready" if inc.prepared is None else "restored",
                                           next_seq=inc.next_seq, session_id=inc.session_id)
                 elif kind == "frame":
@@ -630,12 +703,17 @@ class _Migration(pbg.MigrationServicer):
                     for fr in inc.decoder.feed(f.data):
                         inc.restorer.apply(fr)
                     inc.next_seq += 1
+                    unacked += len(f.data)
                     if inc.decoder.done and inc.prepared is None:
                         inc.prepared = inc.restorer.commit(register=False)
                         yield pb.MigrationAck(state="restored", next_seq=inc.next_seq,
                                               session_id=inc.session_id)
-                    else:
+                    elif inc.next_seq - acked_seq >= ACK_EVERY_FRAMES or unacked >= ACK_EVERY_BYTES:
+                        # coalesced acks (below the source's window, so it never starves)
                         yield pb.MigrationAck(state="ack", next_seq=inc.next_seq, session_id=inc.session_id)
+                    else:
+                        continue
+                    acked_seq, unacked = inc.next_seq, 0
                 elif kind == "commit":
                     if inc is None or inc.prepared is None:
                         context.abort(grpc.StatusCode.FAILED_PRECONDITION, "commit before a verified restore")
@@ -647,6 +725,11 @@ class _Migration(pbg.MigrationServicer):
                     with srv._lock:
                         srv.incoming.pop(mid, None)
                         srv.moved.pop(inc.session_id, None)
+                        if inc.prepared.turn is not None:  # it moved mid-reply: generate on now
+                            slot = srv.slots.setdefault(inc.session_id, Slot())
+                            slot.lock.acquire()
+                            feed = srv.feeds[inc.session_id] = TurnFeed()
+                            srv.executor.submit(srv.drive, inc.session_id, slot, feed)
                     yield pb.MigrationAck(state="committed", next_seq=inc.next_seq, session_id=inc.session_id)
                     srv._dir("register_session", inc.session_id, srv.address)
                     inc = None

@@ -121,6 +121,7 @@ class TurnState:
     tokens: list[int]
     texts: list[str]  # the text streamed with each token
     stream: "_TextStream"
+    max_tokens: int = 0  # this turn's limit (0: the session's)
 
 
 class _TextStream:
@@ -287,8 +288,11 @@ class Session:
         return self.host.token_bytes(token)
 
     # -- turns -----------------------------------------------------------------
-    def send(self, text: str, role: str = "user") -> Iterator[TokenEvent]:
-        """Add a message and stream the guest's reply (a chat turn)."""
+    def send(self, text: str, role: str = "user", max_tokens: int = 0) -> Iterator[TokenEvent]:
+        """Add a message and stream the guest's reply (a chat turn); ``max_tokens``
+        caps this reply below the session's limit."""
+        if max_tokens < 0:
+            raise SessionError(f"max_tokens must be positive, not {max_tokens}")
         self._check_open()
         self.messages.append({"role": role, "content": text})
         try:
@@ -296,7 +300,7 @@ class Session:
         except Exception as e:
             self.messages.pop()
             raise SessionError(f"chat template failed: {e}") from None
-        return self._turn(tokens, record=True)
+        return self._turn(tokens, record=True, max_tokens=max_tokens)
 
     def complete(self, prompt: str | list[int]) -> Iterator[TokenEvent]:
         """Raw completion: continue ``prompt`` (text or ids) with no chat template."""
@@ -331,7 +335,7 @@ class Session:
                 common = 0
         return full[common:]
 
-    def _turn(self, full: list[int], record: bool) -> Iterator[TokenEvent]:
+    def _turn(self, full: list[int], record: bool, max_tokens: int = 0) -> Iterator[TokenEvent]:
         if self.turn is not None:
             raise SessionError(f"session {self.id}: a turn is already in progress")
         # With --ctx the cache slides, so only this turn's new tokens must fit.
@@ -345,7 +349,7 @@ class Session:
         if self.guest.call("kvferry_chat_begin", ptr, len(new)) < 0:
             raise SessionError(f"guest '{self.guest.name}' refused a turn of {len(new)} tokens")
         self.turn = TurnState(n_prompt=len(new), record=record, tokens=[], texts=[],
-                              stream=_TextStream(self.lm.tokenizer, self.sampling.stop))
+                              stream=_TextStream(self.lm.tokenizer, self.sampling.stop), max_tokens=max_tokens)
         return self._steps()
 
     def continue_turn(self, from_index: int = 0) -> Iterator[TokenEvent]:
@@ -355,13 +359,14 @@ class Session:
             raise SessionError(f"session {self.id} has no turn in progress")
         return self._steps(replay_from=from_index)
 
-    def restore_turn(self, n_prompt: int, record: bool, tokens: list[int], texts: list[str]) -> None:
+    def restore_turn(self, n_prompt: int, record: bool, tokens: list[int], texts: list[str],
+                     max_tokens: int = 0) -> None:
         stream = _TextStream(self.lm.tokenizer, self.sampling.stop)
         for t in tokens:
             stream.det.add_token(t)
         stream.emitted = sum(len(x) for x in texts)
         self.turn = TurnState(n_prompt=n_prompt, record=record, tokens=list(tokens), texts=list(texts),
-                              stream=stream)
+                              stream=stream, max_tokens=max_tokens)
 
     def _steps(self, replay_from: int | None = None) -> Iterator[TokenEvent]:
         turn = self.turn
@@ -376,7 +381,7 @@ class Session:
         n_new = 0
         while True:
             i = len(turn.tokens)
-            if i >= self.sampling.max_tokens:
+            if i >= min(turn.max_tokens or self.sampling.max_tokens, self.sampling.max_tokens):
                 finish = "length"  # the host's hard limit, whatever the guest does
                 break
             if len(self.history) + 1 >= self.context and self.options.ctx is None:

@@ -38,9 +38,10 @@ def _free_port() -> int:
 
 
 class _Host:
-    def __init__(self, token: str):
+    def __init__(self, token: str, threads: int | None = None):
         self.port = _free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", str(self.port)],
+        extra = ["--threads", str(threads)] if threads else []
+        self.proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", str(self.port), *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "KVFERRY_TOKEN": token}, start_new_session=True)
         self.address = f"127.0.0.1:{self.port}"
@@ -75,20 +76,22 @@ def _prompt(tokens: int, limit: int) -> str:
     return "Read this log and continue it.\n" + tok.decode(ids)
 
 
-def run(contexts=(512, 2048, 8192), generate: int = 48, migrate_after: int = 8,
-        progress=print) -> dict:
+def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrate_after: int = 8,
+        threads: int | None = 1, progress=print) -> dict:
+    """``threads``: BLAS threads per host (``serve --threads``): both hosts share this
+    machine, so each gets its share of the cores; None = the BLAS default (all)."""
     from runtime.sdk import Client
 
     token = secrets.token_urlsafe(16)
-    a, b = _Host(token), _Host(token)
+    a, b = _Host(token, threads), _Host(token, threads)
     rows = []
     try:
         ca, cb = Client(a.address, token), Client(b.address, token)
         with tempfile.TemporaryDirectory() as d:
             for ctx in contexts:
-                prompt = _prompt(ctx, 8192 - 2 * generate - 96)
+                prompt = _prompt(ctx, 8192 - generate - 96)
                 base = ca.create_session(max_tokens=generate, ignore_eos=True)
-                list(base.send(prompt))
+                list(base.send(prompt, max_tokens=16))
                 n_ctx = base.info()["tokens"]
                 ck = Path(d) / f"ctx{ctx}.kvf"
                 base.snapshot(ck)
@@ -101,56 +104,80 @@ def run(contexts=(512, 2048, 8192), generate: int = 48, migrate_after: int = 8,
                 rp.close()
                 progress(f"context {n_ctx} tokens: re-prefill {reprefill_ms:.0f} ms")
                 for live in (True, False):
-                    sid = f"m{ctx}{'l' if live else 's'}"
-                    m = ca.restore(ck, session_id=sid)
-                    twin = ca.restore(ck, session_id=sid + "t")
-                    stamps: list[tuple[float, int]] = []
-                    chunks = []
-
-                    def consume():
-                        for c in m.events("Continue the log."):
-                            stamps.append((time.perf_counter(), c.index))
-                            chunks.append(c)
-                    th = threading.Thread(target=consume)
-                    th.start()
-                    while len(stamps) < migrate_after:
-                        time.sleep(0.005)
-                    t_mig = time.perf_counter()
-                    mig = Client(a.address, token).session(sid).migrate(to=b.address, live=live)
-                    th.join()
-                    ref = [c.token for c in twin.events("Continue the log.") if c.token >= 0]
-                    got = [c.token for c in chunks if c.token >= 0]
-                    times = [s for s, i in stamps if i >= 0]
-                    gaps = [y - x for x, y in zip(times, times[1:])]
-                    idx = next(i for i, s in enumerate(times) if s >= t_mig)
-                    end = next((i for i, s in enumerate(times) if s >= t_mig + mig.seconds), len(times) - 1)
-                    # every gap from the migration's start to the first token after it ends
-                    window = gaps[max(0, idx - 1): end + 1]
-                    normal = statistics.median(gaps[:max(1, idx - 1)])
-                    downtime = max(window) - normal
-                    rows.append({"context": n_ctx, "mode": "live" if live else "stop-copy",
-                                 "downtime_ms": round(downtime * 1000, 1),
-                                 "normal_gap_ms": round(normal * 1000, 1),
-                                 "total_ms": round(mig.seconds * 1000, 1), "pause_ms": round(mig.pause_ms, 1),
-                                 "bytes": mig.bytes, "raw_kv_bytes": mig.raw_kv_bytes,
-                                 "reprefill_ms": round(reprefill_ms, 1), "identical": got == ref,
-                                 "tokens": len(got), "gaps_ms": [round(g * 1000) for g in gaps], "mig_at": idx})
+                    rows.append(_one(a, b, token, ck, f"m{ctx}{'l' if live else 's'}", live, n_ctx,
+                                     reprefill_ms, generate, after, migrate_after))
+                    rows[-1]["threads_per_host"] = threads or "default"
                     progress(f"  {rows[-1]}")
-                    for x in (m, twin):
-                        try:
-                            x.close()
-                        except Exception:
-                            pass
     finally:
         a.stop()
         b.stop()
     return {"rows": rows, "targets": _targets(rows)}
 
 
+def _one(a: _Host, b: _Host, token: str, ck: Path, sid: str, live: bool, n_ctx: int, reprefill_ms: float,
+         generate: int, after: int, migrate_after: int) -> dict:
+    """Generate on A, migrate to B mid-reply, read ``after`` tokens more on B
+    (the session object follows the migration: ``m.host`` turns to B)."""
+    from runtime.sdk import Client
+
+    ca = Client(a.address, token)
+    m = ca.restore(ck, session_id=sid)
+    twin = Client(a.address, token).restore(ck, session_id=sid + "t")
+    stamps: list[float] = []
+    got: list[int] = []
+    handoff: list[int] = []  # index of the first token read from B
+
+    def consume():
+        for c in m.events("Continue the log."):
+            if c.token < 0:
+                break
+            stamps.append(time.perf_counter())
+            got.append(c.token)
+            if m.host == b.address and not handoff:
+                handoff.append(len(got) - 1)
+            if handoff and len(got) - handoff[0] >= after:
+                break  # closing the stream; the session is closed below
+    try:
+        th = threading.Thread(target=consume)
+        th.start()
+        while len(stamps) < migrate_after and th.is_alive():
+            time.sleep(0.005)
+        t_mig = time.perf_counter()
+        mig = Client(a.address, token).session(sid).migrate(to=b.address, live=live)
+        th.join()
+        ref = []
+        for c in twin.events("Continue the log."):
+            if c.token < 0 or len(ref) == len(got):
+                break
+            ref.append(c.token)
+        gaps = [y - x for x, y in zip(stamps, stamps[1:])]
+        idx = next(i for i, s in enumerate(stamps) if s >= t_mig)
+        end = handoff[0] if handoff else len(stamps) - 1
+        window = gaps[max(0, idx - 1): end]  # from the migration's start to the first token from B
+        normal = statistics.median(gaps[:max(1, idx - 1)])
+        return {"context": n_ctx, "mode": "live" if live else "stop-copy",
+                "downtime_ms": round((max(window) - normal) * 1000, 1),
+                "handoff_gap_ms": round(gaps[end - 1] * 1000, 1) if handoff else None,
+                "normal_gap_ms": round(normal * 1000, 1),
+                "total_ms": round(mig.seconds * 1000, 1), "pause_ms": round(mig.pause_ms, 1),
+                "bytes": mig.bytes, "raw_kv_bytes": mig.raw_kv_bytes,
+                "reprefill_ms": round(reprefill_ms, 1), "identical": got == ref and len(got) > 0,
+                "mid_reply": bool(handoff), "tokens": len(got),
+                "gaps_ms": [round(g * 1000) for g in gaps], "migration_started_at": idx,
+                "handoff_at": end}
+    finally:
+        for x in (m, twin):
+            try:
+                x.close()
+            except Exception:
+                pass
+
+
 def _targets(rows: list[dict]) -> dict:
     live = {r["context"]: r for r in rows if r["mode"] == "live"}
     stop = {r["context"]: r for r in rows if r["mode"] == "stop-copy"}
     out = {"identical_everywhere": all(r["identical"] for r in rows),
+           "mid_reply_everywhere": all(r["mid_reply"] for r in rows),
            "live_downtime_max_ms": max((r["downtime_ms"] for r in live.values()), default=None)}
     if live:
         lo, hi = min(live), max(live)

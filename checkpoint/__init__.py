@@ -1,4 +1,3 @@
-"""kvferry checkpoints: versioned, compressed, streamable conversation snapshots.
-
-Format and codecs land with the checkpoint issue; see docs/ once it does.
-"""
+"""kvferry checkpoints: versioned, compressed, streamable conversation snapshots
+(format in ``frames``, KV codecs in ``codecs``, save/restore in ``snapshot``;
+user docs in docs/checkpoint.md)."""

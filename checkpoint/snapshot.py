@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import numpy as np
 
 from . import codecs
-from .errors import CheckpointError
+from .errors import CheckpointError, OutOfMemoryError
 from .frames import GUEST, HEADER, KV, STATE, TRAILER, Frame, FrameWriter, iter_frames
 
 if TYPE_CHECKING:
@@ -270,6 +270,7 @@ class Restorer:
         self.frames = 0
         self.caches: list = []
         self.lock = getattr(host, "compute", None) or __import__("threading").Lock()
+        self.kv_bytes = 0  # KV received so far
 
     def apply(self, f: Frame) -> None:
         self.frames += 1
@@ -296,6 +297,15 @@ class Restorer:
             self.guest = f.body
         elif f.kind == TRAILER:
             self.done = True
+
+    def _admit(self, nbytes: int, where: str) -> None:
+        """Refuse KV beyond the host's budget (``serve --max-kv-mb``) before allocating it."""
+        self.kv_bytes += nbytes
+        limit = getattr(self.host, "max_kv_bytes", None)
+        if limit and self.host.kv_bytes() + self.kv_bytes > limit:
+            raise OutOfMemoryError(
+                f"{where}: out of memory on this host: the session's KV needs more than the "
+                f"{limit / 1e6:.0f} MB it may use ({self.host.kv_bytes() / 1e6:.1f} MB already in use)")
 
     def _header(self, h: dict, where: str) -> None:
         if self.header is not None:
@@ -338,6 +348,7 @@ class Restorer:
             if b.get("keys") is not None:
                 k = codecs.decode(b["keys"], f"{where} keys")
                 v = codecs.decode(b["values"], f"{where} values")
+                self._admit(k.nbytes + v.nbytes, where)
                 meta = b.get("meta")
                 if not (isinstance(meta, list) and len(meta) == 4 and all(isinstance(x, int) for x in meta)):
                     raise CheckpointError(f"{where}: malformed rotating-cache meta state")
@@ -356,6 +367,7 @@ class Restorer:
                         raise CheckpointError(f"{where}: {side} shape {list(a.shape)} does not fit "
                                               f"{heads} heads x {t1 - t0} tokens")
                 sides.append(arrs)
+                self._admit(sum(a.nbytes for a, _ in arrs), where)
             meta = b.get("meta") or {}
             self.chunks[i].append((t0, t1, ("q", sides, meta)))
             return
@@ -373,9 +385,15 @@ class Restorer:
                                   f"(it holds {c.offset} tokens)")
         import mlx.core as mx
 
-        with self.lock:
-            c.update_and_fetch(_mx_from_bits(k, b["keys"]["dtype"]), _mx_from_bits(v, b["values"]["dtype"]))
-            mx.eval(c.keys, c.values)
+        self._admit(k.nbytes + v.nbytes, where)
+        try:
+            with self.lock:
+                c.update_and_fetch(_mx_from_bits(k, b["keys"]["dtype"]), _mx_from_bits(v, b["values"]["dtype"]))
+                mx.eval(c.keys, c.values)
+        except (RuntimeError, MemoryError) as e:  # MLX reports a failed allocation as RuntimeError
+            if isinstance(e, MemoryError) or "alloc" in str(e).lower():
+                raise OutOfMemoryError(f"{where}: out of memory on this host ({e})") from None
+            raise
         self.chunks[i].append((t0, t1, None))
 
     def commit(self, register: bool = True) -> "Session":

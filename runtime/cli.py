@@ -336,6 +336,8 @@ def cmd_serve(a) -> int:
         if a.threads < 1:
             raise KvferryError(f"--threads must be at least 1, not {a.threads}")
         os.environ["OPENBLAS_NUM_THREADS"] = str(a.threads)  # read when the host's BLAS loads
+    if a.max_kv_mb is not None and a.max_kv_mb <= 0:
+        raise KvferryError(f"--max-kv-mb must be positive, not {a.max_kv_mb}")
     if a.no_auth:
         from runtime.server import is_loopback
         if not is_loopback(a.bind):
@@ -347,7 +349,8 @@ def cmd_serve(a) -> int:
               f"TLS {'mutual' if a.tls_ca and a.tls_cert else 'on' if a.tls_cert else 'off'})", flush=True)
 
     serve(a.model, bind, token, address=a.address, allow_no_auth=a.no_auth, tls=_tls(a),
-          client_tls=_tls(a, "peer_tls"), ready=ready)
+          client_tls=_tls(a, "peer_tls"), ready=ready,
+          max_kv_bytes=int(a.max_kv_mb * 1e6) if a.max_kv_mb else None)
     return 0
 
 
@@ -474,6 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or an embedded Ray)")
     sv.add_argument("--threads", type=int, help="CPU threads for the model's matrix products (like llama.cpp "
                     "-t; default: all cores). Give each host its share when several share a machine")
+    sv.add_argument("--max-kv-mb", type=float, help="KV cache memory this host may hold; restores and "
+                    "incoming migrations beyond it are refused (default: no limit)")
     tls_args(sv)
     tls_args(sv, "peer_tls", "client certificate for outgoing migrations:")
 

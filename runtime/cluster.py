@@ -86,13 +86,14 @@ def controller() -> Any:
 @ray.remote(num_cpus=1, max_concurrency=8)
 class SessionHost:
     def __init__(self, model: str | None, bind: str, token: str | None, allow_no_auth: bool = False,
-                 tls: dict | None = None, client_tls: dict | None = None, dtype: str = "auto") -> None:
+                 tls: dict | None = None, client_tls: dict | None = None, dtype: str = "auto",
+                 max_kv_bytes: int | None = None) -> None:
         import runtime  # noqa: F401  (optimized BLAS before MLX)
         from .host import ModelHost
         from .ray_host import warmup
         from .server import HostServer, TLSConfig
 
-        self.host = ModelHost(model, dtype=dtype, progress=False)
+        self.host = ModelHost(model, dtype=dtype, progress=False, max_kv_bytes=max_kv_bytes)
         warmup(self.host.lm)
         self.ctl = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
         node = f"{socket.gethostname()}/{ray.get_runtime_context().get_node_id()[:8]}"
@@ -162,7 +163,8 @@ def ensure_token(token: str | None, no_auth: bool) -> str | None:
 
 
 def start_host(model: str | None, bind: str, token: str | None, *, allow_no_auth: bool = False,
-               tls: dict | None = None, client_tls: dict | None = None, node_id: str | None = None):
+               tls: dict | None = None, client_tls: dict | None = None, node_id: str | None = None,
+               max_kv_bytes: int | None = None):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     controller()
@@ -170,16 +172,17 @@ def start_host(model: str | None, bind: str, token: str | None, *, allow_no_auth
     actor = SessionHost.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         runtime_env={"env_vars": blas.worker_env()},
-    ).remote(model, bind, token, allow_no_auth, tls, client_tls)
+    ).remote(model, bind, token, allow_no_auth, tls, client_tls, max_kv_bytes=max_kv_bytes)
     return actor, ray.get(actor.address.remote())
 
 
 def serve(model: str | None, bind: str, token: str | None, *, address: str | None = None,
           allow_no_auth: bool = False, tls: dict | None = None, client_tls: dict | None = None,
-          ready: Any = None) -> None:
+          ready: Any = None, max_kv_bytes: int | None = None) -> None:
     """Run one session host on this node until SIGINT/SIGTERM."""
     own = init_ray(address)
-    actor, addr = start_host(model, bind, token, allow_no_auth=allow_no_auth, tls=tls, client_tls=client_tls)
+    actor, addr = start_host(model, bind, token, allow_no_auth=allow_no_auth, tls=tls, client_tls=client_tls,
+                             max_kv_bytes=max_kv_bytes)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

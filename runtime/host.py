@@ -64,7 +64,7 @@ class ModelHost:
     """Hosts sessions on one model (loaded once)."""
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", attn_cpu: float = 0.0,
-                 lm: LoadedModel | None = None, progress: bool = True):
+                 lm: LoadedModel | None = None, progress: bool = True, max_kv_bytes: int | None = None):
         self.lm = lm or load(model, dtype=dtype, progress=progress)
         self.placement = apply_placement(self.lm.model, attn_cpu)
         _ = self.lm.fingerprint  # hash the model files now, not in the middle of a migration
@@ -74,6 +74,7 @@ class ModelHost:
         self._token_bytes: dict[int, bytes] = {}
         self.lock = threading.RLock()
         self.compute = threading.Lock()  # one model step at a time: MLX work is serialised
+        self.max_kv_bytes = max_kv_bytes  # admission limit for restored / migrated-in KV
 
     def guest_module(self, guest: str | Path | None) -> GuestModule:
         path = str(guest or DEFAULT_GUEST)
@@ -135,3 +136,8 @@ class ModelHost:
         for sid in list(self.sessions):
             self.close_session(sid)
         self.engine.close()
+
+    def kv_bytes(self) -> int:
+        """KV cache bytes held by all sessions."""
+        with self.lock:
+            return sum(s.memory()["kv_bytes"] for s in self.sessions.values() if not s.closed)

@@ -254,7 +254,17 @@ class RemoteSession:
     def events(self, text: str, role: str = "user", max_tokens: int = 0) -> Iterator[pb.TokenChunk]:
         """Token chunks as they arrive, continuing across migrations (``max_tokens``:
         this reply's limit, at most the session's)."""
-        f = _TurnFollower(self.id, text, role, max_tokens)
+        return self._follow(_TurnFollower(self.id, text, role, max_tokens))
+
+    def resume(self, from_index: int = 0) -> Iterator[pb.TokenChunk]:
+        """Re-attach to the reply in progress (after a dropped connection, or when
+        the host that streamed it died after a migration): chunks from ``from_index``."""
+        f = _TurnFollower(self.id, "", "user")
+        f.request = pb.SendRequest(session_id=self.id, continue_turn=True, from_index=from_index)
+        f.next_index = from_index
+        return self._follow(f)
+
+    def _follow(self, f: _TurnFollower) -> Iterator[pb.TokenChunk]:
         for _ in range(f.HOPS):
             try:
                 for c in self.client._stub(self.host).Send(f.request, metadata=auth_metadata(self.client.token),

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 import grpc
 
 from checkpoint import snapshot as ck
-from checkpoint.errors import CheckpointError
+from checkpoint.errors import CheckpointError, OutOfMemoryError
 from checkpoint.frames import FrameDecoder
 from proto import kvferry_pb2 as pb
 from proto import kvferry_pb2_grpc as pbg
@@ -210,6 +210,7 @@ class HostServer:
         self.moved: dict[str, str] = {}  # session id -> where it went
         self.incoming: dict[str, Incoming] = {}
         self.feeds: dict[str, TurnFeed] = {}
+        self.committed: dict[str, float] = {}  # migration id -> when (answers a re-sent Begin)
         self._lock = threading.Lock()
         self.executor = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvferry-rpc")
         self.server = grpc.server(self.executor, options=grpc_options(), interceptors=[AuthInterceptor(token)])
@@ -246,6 +247,8 @@ class HostServer:
                     inc = self.incoming.pop(k)
                     if inc.prepared is not None:
                         inc.prepared.close()
+                for k in [k for k, t in self.committed.items() if now - t > PREPARED_TTL]:
+                    del self.committed[k]
 
     # -- directory ---------------------------------------------------------------
     def _dir(self, method: str, *args) -> Any:
@@ -430,20 +433,30 @@ class _Link:
             q.put(pb.MigrationMessage(frame=pb.FramePart(seq=seq, data=self.frames[seq])))
 
     def _next_ack(self) -> None:
+        """Read one ack. On a dropped link, reconnect instead: the target's answer to
+        the new Begin (its last verified frame, or that it already committed) counts."""
+        try:
+            ack = next(self.acks)
+        except StopIteration:
+            raise MigrationError(f"migration to {self.t.target} failed: the target closed the stream") from None
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            self._reconnect()
+            return
+        self.acked, self.state = ack.next_seq, ack.state
+        if self.on_ack is not None:
+            self.on_ack()
+
+    def _reconnect(self) -> None:
         for attempt in range(3):
+            time.sleep(0.2 * (attempt + 1))
             try:
-                ack = next(self.acks)
-                self.acked, self.state = ack.next_seq, ack.state
-                if self.on_ack is not None:
-                    self.on_ack()
+                self._connect()  # resumes from the last verified frame
                 return
-            except StopIteration:
-                raise MigrationError(f"migration to {self.t.target} failed: the target closed the stream") from None
             except grpc.RpcError as e:
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE,) or attempt == 2:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == 2:
                     raise
-                time.sleep(0.2 * (attempt + 1))
-                self._connect()  # reconnect and resume from the last verified frame
 
     def send(self, frames: Iterable[bytes]) -> None:
         for f in frames:
@@ -462,8 +475,14 @@ class _Link:
 
     def commit(self) -> None:
         self.reqs.put(pb.MigrationMessage(commit=pb.Empty()))
-        self._next_ack()
-        if self.state != "committed":
+        while True:
+            link = self.reqs
+            self._next_ack()
+            if self.state == "committed":
+                return
+            if self.reqs is not link and self.state == "restored":  # reconnected before it committed
+                self.reqs.put(pb.MigrationMessage(commit=pb.Empty()))
+                continue
             raise MigrationError(f"target answered '{self.state}' to commit")
 
     def abort(self) -> None:
@@ -482,6 +501,8 @@ class _Link:
 
 
 def _abort(context, e: Exception) -> None:
+    if isinstance(e, OutOfMemoryError):
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
     if isinstance(e, UnknownSessionError):
         context.abort(grpc.StatusCode.NOT_FOUND, str(e))
     if isinstance(e, ModelMismatchError):
@@ -679,6 +700,9 @@ class _Migration(pbg.MigrationServicer):
                         context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                       f"model mismatch: the target serves '{srv.host.lm.name}' "
                                       f"({srv.host.lm.fingerprint[:12]}…), the session's model differs")
+                    if b.migration_id in srv.committed:  # the link dropped after our commit ack
+                        yield pb.MigrationAck(state="committed", next_seq=0, session_id=b.session_id)
+                        continue
                     with srv._lock:
                         inc = srv.incoming.get(b.migration_id)
                         if inc is None:
@@ -725,6 +749,7 @@ class _Migration(pbg.MigrationServicer):
                     with srv._lock:
                         srv.incoming.pop(mid, None)
                         srv.moved.pop(inc.session_id, None)
+                        srv.committed[mid] = time.monotonic()
                         if inc.prepared.turn is not None:  # it moved mid-reply: generate on now
                             slot = srv.slots.setdefault(inc.session_id, Slot())
                             slot.lock.acquire()

@@ -234,6 +234,67 @@ def test_target_killed_mid_stream(two_hosts):
         victim.stop()
 
 
+def test_source_killed_after_the_target_committed(two_hosts):
+    """The source dies right after the handoff: the session lives on the target
+    only, and the reply continues there with no token lost or repeated."""
+    _, b = two_hosts
+    victim = Serve()
+    try:
+        s = Client(victim.address, TOKEN).create_session(max_tokens=40, ignore_eos=True)
+        twin = Client(b.address, TOKEN).create_session(max_tokens=40, ignore_eos=True)
+        ref = [c.token for c in twin.events("Tell me a long story about a fox.") if c.token >= 0]
+        got, failed = [], []
+
+        def consume():
+            try:
+                for c in s.events("Tell me a long story about a fox."):
+                    if c.token >= 0:
+                        assert c.index == len(got)
+                        got.append(c.token)
+            except RemoteError as e:  # the source died before telling us where the session went
+                failed.append(str(e))
+        th = threading.Thread(target=consume)
+        th.start()
+        while len(got) < 4:
+            time.sleep(0.02)
+        m = Client(victim.address, TOKEN).session(s.id).migrate(to=b.address, live=True)
+        victim.kill()  # the target has committed: migrate() returns only after that
+        th.join(120)
+        assert m.target == b.address and 0 < len(got) <= 40
+        rest = [c.token for c in Client(b.address, TOKEN).session(s.id).resume(len(got)) if c.token >= 0]
+        assert got + rest == ref
+        on_b = [x["id"] for x in Client(b.address, TOKEN).sessions()]
+        assert on_b.count(s.id) == 1
+        with pytest.raises(RemoteError):
+            Client(victim.address, TOKEN, timeout=5).sessions()
+        Client(b.address, TOKEN).session(s.id).close()
+        twin.close()
+    finally:
+        victim.stop()
+
+
+def test_target_out_of_memory(two_hosts):
+    """A target that cannot hold the session's KV refuses it while frames
+    arrive; the session stays on the source and continues identically."""
+    a, _ = two_hosts
+    small = Serve("--max-kv-mb", "4")
+    try:
+        c = Client(a.address, TOKEN)
+        s = c.create_session(max_tokens=8)
+        twin = c.create_session(max_tokens=8)
+        long = "Summarize this. " + " ".join(f"Item {i} is a small detail worth noting." for i in range(60))
+        assert "".join(s.send(long)) == "".join(twin.send(long))
+        with pytest.raises(RemoteError, match="out of memory on this host.*4 MB"):
+            s.migrate(to=small.address)
+        assert s.host == a.address and s.id in [x["id"] for x in c.sessions()]
+        assert Client(small.address, TOKEN).sessions() == []
+        assert "".join(s.send("Thanks!")) == "".join(twin.send("Thanks!"))
+        s.close()
+        twin.close()
+    finally:
+        small.stop()
+
+
 def test_no_auth_only_on_loopback():
     from runtime.errors import ConfigError
     from runtime.server import HostServer

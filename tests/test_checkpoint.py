@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from actor_guests import GUESTS_DIR
 from checkpoint import codecs, snapshot
 from checkpoint.errors import CheckpointError
-from checkpoint.frames import KV, FrameDecoder, FrameWriter, iter_frames
+from checkpoint.frames import KV, Frame, FrameDecoder, FrameWriter, iter_frames
 from runtime.host import ModelHost
 from runtime.session import SamplingParams, SessionOptions
 
@@ -70,10 +70,15 @@ def test_streamed_deltas_rebuild_the_session(host):
     chat_turns(s, ["two"])
     chat_turns(twin, ["two"])
     chunks += list(sn.kv())  # delta: only tokens since stage 0
-    assert sn.sent_tokens > n0
-    chunks += list(sn.finish())
-    kv_ranges = [(f.body["layer"], f.body["start"], f.body["end"]) for f in iter_frames(chunks) if f.kind == KV]
-    assert (0, 0, n0) in kv_ranges and (0, n0, sn.sent_tokens) in kv_ranges
+    n1 = sn.sent_tokens
+    assert n1 > n0
+    chat_turns(s, ["three"])
+    chat_turns(twin, ["three"])
+    chunks += list(sn.finish())  # the last small delta: one batch frame for all layers
+    frames = [f for f in iter_frames(chunks) if f.kind == KV]
+    assert "batch" in frames[-1].body and len(frames[-1].body["batch"]) == len(s.cache)
+    kv_ranges = [(b["layer"], b["start"], b["end"]) for f in frames for b in f.body.get("batch", [f.body])]
+    assert (0, 0, n0) in kv_ranges and (0, n0, n1) in kv_ranges and (0, n1, sn.sent_tokens) in kv_ranges
     # feed the bytes in awkward pieces, as a network would
     blob = b"".join(chunks)
     r = snapshot.Restorer(host, session_id="streamed")
@@ -83,7 +88,13 @@ def test_streamed_deltas_rebuild_the_session(host):
             r.apply(f)
     dec.close()
     b = r.commit()
-    assert chat_turns(b, ["three"]) == chat_turns(twin, ["three"])
+    assert chat_turns(b, ["four"]) == chat_turns(twin, ["four"])
+    # a hostile batch frame is refused with one line
+    for bad in (5, [], [{"batch": []}], [{}] * (len(s.cache) + 1)):
+        r = snapshot.Restorer(host, session_id="hostile")
+        r.apply(next(iter_frames([chunks[0]])))
+        with pytest.raises(CheckpointError, match="frame 1 .*(malformed KV batch|bad layer)"):
+            r.apply(Frame(1, KV, {"batch": bad}, 0))
 
 
 def test_codecs_roundtrip_and_ratios():

@@ -110,3 +110,30 @@ def test_dropped_connection_resumes_from_the_last_verified_frame(pair, monkeypat
     assert "".join(s.send("more")) == "".join(twin.send("more"))
     assert m.bytes > 0
     del grpc
+
+
+def test_link_drops_after_the_target_committed(pair, monkeypatch):
+    """The commit ack is lost with the link: the source reconnects, the target
+    answers that this migration already committed — no second copy, no loss."""
+    from runtime import server
+
+    a, b = pair
+    c, s, twin = conversation(a)
+    real_commit = server._Link.commit
+    seen = {}
+
+    def lossy_commit(self):
+        self.reqs.put(server.pb.MigrationMessage(commit=server.pb.Empty()))
+        deadline = time.time() + 30
+        while s.id not in b.host.sessions and time.time() < deadline:
+            time.sleep(0.01)
+        self.close()  # the ack for our commit is lost
+        self._connect()
+        seen["state"] = self.state
+        if self.state != "committed":
+            return real_commit(self)
+    monkeypatch.setattr(server._Link, "commit", lossy_commit)
+    s.migrate(to=b.address)
+    assert seen["state"] == "committed"
+    assert s.id in b.host.sessions and s.id not in a.host.sessions
+    assert "".join(s.send("more")) == "".join(twin.send("more"))

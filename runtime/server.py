@@ -213,7 +213,12 @@ class HostServer:
         self.committed: dict[str, float] = {}  # migration id -> when (answers a re-sent Begin)
         self._lock = threading.Lock()
         self.executor = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvferry-rpc")
-        self.server = grpc.server(self.executor, options=grpc_options(), interceptors=[AuthInterceptor(token)])
+        # accept the clients' 20 s keepalive pings during long calls (a prefill of
+        # thousands of tokens on a CPU), instead of answering GOAWAY too_many_pings
+        options = grpc_options() + [("grpc.http2.min_recv_ping_interval_without_data_ms", 10000),
+                                    ("grpc.http2.max_ping_strikes", 0),
+                                    ("grpc.keepalive_permit_without_calls", 1)]
+        self.server = grpc.server(self.executor, options=options, interceptors=[AuthInterceptor(token)])
         pbg.add_SessionsServicer_to_server(_Sessions(self), self.server)
         pbg.add_MigrationServicer_to_server(_Migration(self), self.server)
         if tls is not None and tls.cert:

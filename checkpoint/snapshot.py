@@ -179,9 +179,7 @@ class Snapshotter:
         return codecs.encode(u, dtype, "lossless" if exact else self.mode, role)
 
     def _blob(self, a, exact: bool = False, role: str = "values") -> dict:
-        u, dtype = _mx_bits(a)
-        self.raw_kv_bytes += u.nbytes
-        return codecs.encode(u, dtype, "lossless" if exact else self.mode, role)
+        return self._enc(*_mx_bits(a), exact=exact, role=role)
 
     def finish(self) -> Iterator[bytes]:
         """Remaining KV, then state, guest and trailer."""
@@ -302,10 +300,10 @@ class Restorer:
         """Refuse KV beyond the host's budget (``serve --max-kv-mb``) before allocating it."""
         self.kv_bytes += nbytes
         limit = getattr(self.host, "max_kv_bytes", None)
-        if limit and self.host.kv_bytes() + self.kv_bytes > limit:
+        if limit and (used := self.host.kv_bytes()) + self.kv_bytes > limit:
             raise OutOfMemoryError(
                 f"{where}: out of memory on this host: the session's KV needs more than the "
-                f"{limit / 1e6:.0f} MB it may use ({self.host.kv_bytes() / 1e6:.1f} MB already in use)")
+                f"{limit / 1e6:.0f} MB it may use ({used / 1e6:.1f} MB already in use)")
 
     def _header(self, h: dict, where: str) -> None:
         if self.header is not None:

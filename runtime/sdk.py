@@ -27,7 +27,7 @@ from proto import kvferry_pb2 as pb
 from proto import kvferry_pb2_grpc as pbg
 
 from .errors import KvferryError
-from .server import TLSConfig, auth_metadata, channel, grpc_options
+from .server import TLSConfig, auth_metadata, channel
 
 
 class RemoteError(KvferryError):
@@ -152,8 +152,10 @@ class _TurnFollower:
         return RemoteError(f"session {self.session_id} kept moving; giving up")
 
 
-class Client:
-    """A connection to one session host (any host of a cluster can list the others)."""
+class _Connection:
+    """Address, token, TLS and one channel per host the session visits."""
+
+    AIO = False
 
     def __init__(self, address: str, token: str | None = None, *, tls: TLSConfig | None = None,
                  timeout: float = 600.0):
@@ -161,14 +163,18 @@ class Client:
         self.token = token if token is not None else default_token()
         self.tls = tls
         self.timeout = timeout
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[str, Any] = {}
 
     def _stub(self, address: str | None = None) -> pbg.SessionsStub:
         address = address or self.address
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = channel(address, self.tls)
+            ch = self._channels[address] = channel(address, self.tls, aio=self.AIO)
         return pbg.SessionsStub(ch)
+
+
+class Client(_Connection):
+    """A connection to one session host (any host of a cluster can list the others)."""
 
     def _call(self, name: str, request: Any, address: str | None = None, **kw) -> Any:
         try:
@@ -336,27 +342,10 @@ class RemoteSession:
 
 # ----------------------------------------------------------------------------- asyncio
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """``Client`` for asyncio programs (grpc.aio)."""
 
-    def __init__(self, address: str, token: str | None = None, *, tls: TLSConfig | None = None,
-                 timeout: float = 600.0):
-        self.address = address
-        self.token = token if token is not None else default_token()
-        self.tls = tls
-        self.timeout = timeout
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def _stub(self, address: str | None = None) -> pbg.SessionsStub:
-        address = address or self.address
-        ch = self._channels.get(address)
-        if ch is None:
-            if self.tls is not None and (self.tls.ca or self.tls.cert):
-                ch = grpc.aio.secure_channel(address, self.tls.channel_credentials(), options=grpc_options())
-            else:
-                ch = grpc.aio.insecure_channel(address, options=grpc_options())
-            self._channels[address] = ch
-        return pbg.SessionsStub(ch)
+    AIO = True
 
     async def _call(self, name: str, request: Any, address: str | None = None) -> Any:
         try:

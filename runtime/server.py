@@ -87,10 +87,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
+def channel(address: str, tls: TLSConfig | None = None, *, aio: bool = False) -> Any:
+    """A client channel (``aio``: a grpc.aio one), TLS when ``tls`` has a CA or cert."""
+    g = grpc.aio if aio else grpc
     if tls is not None and (tls.ca or tls.cert):
-        return grpc.secure_channel(address, tls.channel_credentials(), options=grpc_options())
-    return grpc.insecure_channel(address, options=grpc_options())
+        return g.secure_channel(address, tls.channel_credentials(), options=grpc_options())
+    return g.insecure_channel(address, options=grpc_options())
 
 
 def auth_metadata(token: str | None) -> list[tuple[str, str]]:
@@ -413,7 +415,6 @@ class _Link:
         self.frames: list[bytes] = []
         self.ends: list[int] = []  # bytes sent up to and including each frame
         self.acked = 0
-        self.bytes = 0
         self.state = ""
         self.reqs: "queue.Queue[Any] | None" = None
         self.acks = None
@@ -436,6 +437,10 @@ class _Link:
         self.acked, self.state = ack.next_seq, ack.state
         for seq in range(self.acked, len(self.frames)):  # resume: resend what was not verified
             q.put(pb.MigrationMessage(frame=pb.FramePart(seq=seq, data=self.frames[seq])))
+
+    @property
+    def bytes(self) -> int:
+        return self.ends[-1] if self.ends else 0
 
     def _next_ack(self) -> None:
         """Read one ack. On a dropped link, reconnect instead: the target's answer to
@@ -471,8 +476,7 @@ class _Link:
                 self._next_ack()
             self.reqs.put(pb.MigrationMessage(frame=pb.FramePart(seq=len(self.frames), data=f)))
             self.frames.append(f)
-            self.bytes += len(f)
-            self.ends.append(self.bytes)
+            self.ends.append(self.bytes + len(f))
 
     def wait_restored(self) -> None:
         while self.state != "restored":

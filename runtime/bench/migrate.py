@@ -122,7 +122,7 @@ def _one(a: _Host, b: _Host, token: str, ck: Path, sid: str, live: bool, n_ctx: 
 
     ca = Client(a.address, token)
     m = ca.restore(ck, session_id=sid)
-    twin = Client(a.address, token).restore(ck, session_id=sid + "t")
+    twin = ca.restore(ck, session_id=sid + "t")
     stamps: list[float] = []
     got: list[int] = []
     handoff: list[int] = []  # index of the first token read from B

@@ -14,6 +14,10 @@ normalised per channel (sign XOR the channel's majority sign, exponent minus the
 channel's mean), so zstd's entropy coder sees one concentrated distribution
 instead of a mixture of per-channel ones.
 
+``raw``: bit-exact and uncompressed (the frame checksum still covers it). For a
+fast link, live migration's default: lossless compression gains ~1.17x on
+float32 KV but costs a core on each end while the session keeps generating.
+
 ``int8`` / ``int4``: group-wise affine quantization (groups of 64 along the head
 dim, float16 scale and bias per group), codes entropy-coded with zstd.
 """
@@ -30,7 +34,7 @@ DTYPES = {"float32": (np.uint32, 4), "float16": (np.uint16, 2), "bfloat16": (np.
           "uint32": (np.uint32, 4), "int32": (np.int32, 4), "uint8": (np.uint8, 1),
           "int8": (np.int8, 1), "uint16": (np.uint16, 2)}
 FLOATS = ("float32", "float16", "bfloat16")
-MODES = ("lossless", "int8", "int4")
+MODES = ("lossless", "raw", "int8", "int4")
 LEVEL = 3
 
 _cctx = {}
@@ -279,6 +283,9 @@ def encode(u: np.ndarray, dtype: str, mode: str = "lossless", role: str = "value
     ``sink``: leading tokens kept exact in lossy modes (0 for a later delta)."""
     if mode not in MODES:
         raise CheckpointError(f"unknown checkpoint mode '{mode}' (choose from {', '.join(MODES)})")
+    if mode == "raw":
+        return {"codec": "raw", "dtype": dtype, "shape": list(u.shape), "nbytes": u.nbytes,
+                "parts": [np.ascontiguousarray(u).tobytes()], "meta": {}}
     if mode == "lossless" or dtype not in FLOATS or u.ndim < 2:
         return encode_lossless(u, dtype)
     # Per-token groups for keys too: measured on SmolLM2, per-channel key groups
@@ -309,6 +316,11 @@ def decode(b: dict, where: str) -> np.ndarray:
     if b.get("nbytes") != nbytes:
         raise CheckpointError(f"{where}: declared size {b.get('nbytes')} does not match shape {shape}")
     codec = b["codec"]
+    if codec == "raw":
+        raw = _part(b, 0, where)
+        if len(raw) != nbytes:
+            raise CheckpointError(f"{where}: payload is {len(raw)} bytes, expected {nbytes}")
+        return np.frombuffer(raw, dtype=DTYPES[dtype][0]).reshape(shape)
     if codec in ("zstd", "xsplit"):
         return _decode_lossless(b, nbytes, where)
     if codec in ("q8", "q4"):

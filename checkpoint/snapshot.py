@@ -78,8 +78,19 @@ class Snapshotter:
         self.sent_tokens = 0  # KV of tokens [0, sent_tokens) already emitted
         self.raw_kv_bytes = 0
         self.kind = _cache_kind(session.cache[0])
-        self.pace = 0.0  # seconds to sleep after each KV frame (set by live pre-copy stages)
+        self.rate = 0.0  # live pre-copy: raw KV bytes per second at most (0 = unpaced)
+        self._due = 0.0
         self.epoch = session.kv_epoch
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token occupies across all layers (sizes pre-copy chunks)."""
+        total = 0
+        for c in self.s.cache:
+            if c.empty():
+                continue
+            cap = (c.keys[0] if isinstance(c.keys, (list, tuple)) else c.keys).shape[2]
+            total += c.nbytes // max(1, cap)
+        return total
 
     @property
     def incremental(self) -> bool:
@@ -99,18 +110,20 @@ class Snapshotter:
             "guest": {"label": s.guest.module.label, "sha256": s.guest.module.sha256},
             "session": {"id": s.id, "context": s.context, "sampling": _plain(asdict(s.sampling)),
                         "options": _plain(asdict(s.options))},
-            "cache": {"class": self.kind, "layers": len(s.cache),
+            "cache": {"class": self.kind, "layers": len(s.cache), "tokens": len(s.history),
                       "kv_heads": int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
                       "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])},
         }
         return self.w.frame(HEADER, head)
 
-    def extract(self, upto: int | None = None, lock=None, budget: float = 0.008) -> Iterator[tuple]:
-        """Copy the KV of tokens [sent_tokens, upto) out of the cache, layer by layer.
+    def extract(self, upto: int | None = None, lock=None, budget: float = 0.008,
+                chunk: int | None = None) -> Iterator[tuple]:
+        """Copy the KV of tokens [sent_tokens, upto) out of the cache, layer by layer
+        (and with ``chunk``, in token ranges of at most that many tokens).
 
         With ``lock`` (the host's compute lock, for a session that may be
         generating) the copies happen under short holds of about ``budget``
-        seconds (at least one layer each): steps only append, so the range stays
+        seconds (at least one piece each): steps only append, so the range stays
         valid between holds. Copies, not views: a view would pin the cache's
         buffer and make every later step copy the whole cache instead of
         updating it in place."""
@@ -124,25 +137,28 @@ class Snapshotter:
         if not self.incremental or n <= t0:
             return
         self.sent_tokens = n
-        i, layers = 0, len(s.cache)
-        while i < layers:
+        step = max(1, chunk or n - t0)
+        pieces = [(i, a, min(a + step, n)) for i in range(len(s.cache)) for a in range(t0, n, step)]
+        j = 0
+        while j < len(pieces):
             out = []
             with lock if lock is not None else contextlib.nullcontext():
                 start = time.perf_counter()
-                while i < layers and (not out or lock is None or time.perf_counter() - start < budget):
+                while j < len(pieces) and (not out or lock is None or time.perf_counter() - start < budget):
+                    i, a, b = pieces[j]
                     c = s.cache[i]
                     if c.offset < n:
                         raise CheckpointError(f"layer {i} cache holds {c.offset} tokens, history has {n}")
                     if self.kind == "KVCache":
-                        k, v = c.keys[..., t0:n, :], c.values[..., t0:n, :]
+                        k, v = c.keys[..., a:b, :], c.values[..., a:b, :]
                         mx.eval(k, v)
-                        out.append((i, t0, n, _np_bits(k), _np_bits(v), None))
+                        out.append((i, a, b, _np_bits(k), _np_bits(v), None))
                     else:  # QuantizedKVCache: (packed, scales, biases) per side, stored exactly
-                        out.append((i, t0, n, [_mx_bits(x[..., t0:n, :]) for x in c.keys],
-                                    [_mx_bits(x[..., t0:n, :]) for x in c.values],
+                        out.append((i, a, b, [_mx_bits(x[..., a:b, :]) for x in c.keys],
+                                    [_mx_bits(x[..., a:b, :]) for x in c.values],
                                     {"group_size": c.group_size, "bits": c.bits}))
                     del c
-                    i += 1
+                    j += 1
             yield from out  # encoded outside the hold
 
     def encode(self, extracted: Iterable[tuple], batch: bool = False) -> Iterator[bytes]:
@@ -151,7 +167,7 @@ class Snapshotter:
         per-frame costs would dominate)."""
         bodies = []
         for i, t0, n, k, v, meta in extracted:
-            t = time.perf_counter()
+            raw = self.raw_kv_bytes
             body: dict[str, Any] = {"layer": i, "start": t0, "end": n}
             if meta is None:
                 body["keys"] = self._enc(*k, role="keys")
@@ -164,8 +180,10 @@ class Snapshotter:
                 bodies.append(body)
                 continue
             frame = self.w.frame(KV, body)
-            if self.pace:  # live pre-copy: leave the CPU to generation (duty cycle 1 / (1 + pace))
-                time.sleep((time.perf_counter() - t) * self.pace)
+            if self.rate:  # live pre-copy: a steady trickle leaves memory bandwidth to generation
+                now = time.perf_counter()
+                self._due = max(self._due, now) + (self.raw_kv_bytes - raw) / self.rate
+                time.sleep(max(0.0, self._due - now))
             yield frame
         if bodies:
             yield self.w.frame(KV, {"batch": bodies})
@@ -176,7 +194,7 @@ class Snapshotter:
 
     def _enc(self, u: np.ndarray, dtype: str, exact: bool = False, role: str = "values") -> dict:
         self.raw_kv_bytes += u.nbytes
-        return codecs.encode(u, dtype, "lossless" if exact else self.mode, role)
+        return codecs.encode(u, dtype, "lossless" if exact and self.mode != "raw" else self.mode, role)
 
     def _blob(self, a, exact: bool = False, role: str = "values") -> dict:
         return self._enc(*_mx_bits(a), exact=exact, role=role)
@@ -269,6 +287,7 @@ class Restorer:
         self.caches: list = []
         self.lock = getattr(host, "compute", None) or __import__("threading").Lock()
         self.kv_bytes = 0  # KV received so far
+        self.reserved = 0  # cache room allocated (tokens received and to come)
 
     def apply(self, f: Frame) -> None:
         self.frames += 1
@@ -296,11 +315,13 @@ class Restorer:
         elif f.kind == TRAILER:
             self.done = True
 
-    def _admit(self, nbytes: int, where: str) -> None:
-        """Refuse KV beyond the host's budget (``serve --max-kv-mb``) before allocating it."""
+    def _admit(self, nbytes: int, where: str, reserve: int = 0) -> None:
+        """Refuse KV beyond the host's budget (``serve --max-kv-mb``) before allocating
+        it: ``nbytes`` received, ``reserve`` cache room (received or to come)."""
         self.kv_bytes += nbytes
+        self.reserved += reserve
         limit = getattr(self.host, "max_kv_bytes", None)
-        if limit and (used := self.host.kv_bytes()) + self.kv_bytes > limit:
+        if limit and (used := self.host.kv_bytes()) + max(self.kv_bytes, self.reserved) > limit:
             raise OutOfMemoryError(
                 f"{where}: out of memory on this host: the session's KV needs more than the "
                 f"{limit / 1e6:.0f} MB it may use ({used / 1e6:.1f} MB already in use)")
@@ -386,6 +407,7 @@ class Restorer:
         self._admit(k.nbytes + v.nbytes, where)
         try:
             with self.lock:
+                self._reserve(c, t1, k.shape, b["keys"]["dtype"], v.shape, b["values"]["dtype"], where)
                 c.update_and_fetch(_mx_from_bits(k, b["keys"]["dtype"]), _mx_from_bits(v, b["values"]["dtype"]))
                 mx.eval(c.keys, c.values)
         except (RuntimeError, MemoryError) as e:  # MLX reports a failed allocation as RuntimeError
@@ -393,6 +415,33 @@ class Restorer:
                 raise OutOfMemoryError(f"{where}: out of memory on this host ({e})") from None
             raise
         self.chunks[i].append((t0, t1, None))
+
+    def _reserve(self, c, t1: int, kshape, kdtype: str, vshape, vdtype: str, where: str) -> None:
+        """Grow a layer's cache ahead of token ``t1``, once, to the token count the
+        header announces (never past the session's context; charged to the KV
+        budget), so a chunked stream appends in place instead of re-copying the
+        layer every 256 tokens as ``KVCache`` would; past it, by doubling."""
+        import mlx.core as mx
+
+        cap = 0 if c.keys is None else c.keys.shape[2]
+        if t1 <= cap:
+            return
+        hint = self.header["cache"].get("tokens")
+        limit = (self.header.get("session") or {}).get("context")
+        hint = hint if isinstance(hint, int) and isinstance(limit, int) and 0 <= hint <= min(limit, MAX_TOKENS) else 0
+        new = max(t1, hint + c.step if cap == 0 else 2 * cap)
+        new = -(-new // c.step) * c.step
+        per_token = kshape[1] * kshape[3] * codecs.DTYPES[kdtype][1] + vshape[1] * vshape[3] * codecs.DTYPES[vdtype][1]
+        self._admit(0, where, reserve=(new - cap) * per_token)
+        grown = []
+        for old, shape, dt in ((c.keys, kshape, kdtype), (c.values, vshape, vdtype)):
+            dt = getattr(mx, dt)
+            if old is None:
+                grown.append(mx.zeros((shape[0], shape[1], new, shape[3]), dt))
+            else:
+                grown.append(mx.concatenate(
+                    [old[..., :c.offset, :], mx.zeros((shape[0], shape[1], new - c.offset, shape[3]), dt)], axis=2))
+        c.keys, c.values = grown
 
     def commit(self, register: bool = True) -> "Session":
         """Build the session from everything applied; only now is it registered

@@ -400,7 +400,10 @@ def cmd_migrate(a) -> int:
         bar.set_postfix_str(f"frames {p.frames_sent}/{p.frames_total}")
         bar.refresh()
 
-    m = s.migrate(a.to, to_token=a.to_token, mode=a.mode, live=not a.stop_copy, progress=progress)
+    if a.rate < 0:
+        raise KvferryError(f"--rate must be positive, not {a.rate}")
+    m = s.migrate(a.to, to_token=a.to_token, mode=a.mode, live=not a.stop_copy, rate_mb_s=a.rate,
+                  progress=progress)
     bar.close()
     out = {"session": a.session, "target": m.target, "bytes": m.bytes, "seconds": round(m.seconds, 4),
            "raw_kv_bytes": m.raw_kv_bytes, "ratio": round(m.ratio, 3), "tokens": m.tokens,
@@ -448,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     ge.add_argument("--resume", help="continue a saved checkpoint")
     ge.add_argument("--save", help="checkpoint the conversation when it ends")
-    ge.add_argument("--mode", default="lossless", choices=["lossless", "int8", "int4"],
+    ge.add_argument("--mode", default="lossless", choices=["lossless", "raw", "int8", "int4"],
                     help="checkpoint KV codec for --save")
     ge.add_argument("--json", action="store_true")
     gen_args(ge)
@@ -496,7 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("session")
     mg.add_argument("--to", required=True, help="target host address")
     mg.add_argument("--to-token", help="the target's token if it differs")
-    mg.add_argument("--mode", default="lossless", choices=["lossless", "int8", "int4"])
+    mg.add_argument("--mode", default="raw", choices=["raw", "lossless", "int8", "int4"],
+                    help="how the KV travels: raw (default, fast links), lossless (~1.2x smaller), int8/int4")
+    mg.add_argument("--rate", type=float, default=0.0, metavar="MB/S",
+                    help="live pre-copy: MB/s of KV at most, so generation keeps its memory bandwidth "
+                         "(default 0: the host's default, 40)")
     mode = mg.add_mutually_exclusive_group()
     mode.add_argument("--live", action="store_true", help="pre-copy live migration (the default)")
     mode.add_argument("--stop-copy", action="store_true", help="stop-and-copy")

@@ -40,6 +40,8 @@ from .session import SamplingParams, SessionError, SessionOptions
 
 MAX_MESSAGE = 64 << 20
 WINDOW_FRAMES = 256  # unacknowledged checkpoint frames in flight ...
+PRECOPY_RATE = 40e6  # live pre-copy default: a steady trickle leaves memory bandwidth to generation
+PRECOPY_CHUNK = 3 << 19  # pre-copy frames carry ~1.5 MB of one layer's KV (a token range)
 WINDOW_BYTES = 32 << 20  # ... and bytes: big KV frames are paced, small final ones are not
 ACK_EVERY_FRAMES, ACK_EVERY_BYTES = 16, 4 << 20  # the target acks this often (< the window)
 PREPARED_TTL = 120.0
@@ -137,7 +139,7 @@ class MigrationTicket:
     live: bool = False
     max_stages: int = 8
     final_delta: int = 4  # pause once fewer tokens than this remain to send
-    pace: float = 3.0  # pre-copy: after encoding a frame, sleep 3x as long (generation keeps its CPU)
+    rate: float = PRECOPY_RATE  # pre-copy: bytes of KV per second at most
     progress: "queue.Queue[Any]" = field(default_factory=queue.Queue)
     error: str | None = None
     pause_ms: float = 0.0
@@ -352,16 +354,17 @@ class HostServer:
         try:
             link.send([sn.header()])
             if t.live and sn.incremental:
-                sn.pace = t.pace
+                sn.rate = t.rate
+                chunk = max(16, PRECOPY_CHUNK // max(1, sn.kv_bytes_per_token() // len(s.cache)))
                 for _ in range(t.max_stages):  # pre-copy: the session keeps generating
                     with self.host.compute:
                         upto = len(s.history)
                     # short holds of the compute lock to copy, encoding outside them;
                     # each frame goes out as soon as it is encoded
-                    link.send(sn.encode(sn.extract(upto, lock=self.host.compute)))
+                    link.send(sn.encode(sn.extract(upto, lock=self.host.compute, chunk=chunk)))
                     if len(s.history) - sn.sent_tokens < t.final_delta:
                         break
-            sn.pace = 0.0
+            sn.rate = 0.0
             pause = self.pause(sid, slot)  # stop-and-copy, or the live final stage
             t_pause = time.perf_counter()
             link.send(list(sn.finish()))
@@ -650,7 +653,10 @@ class _Sessions(pbg.SessionsServicer):
             if slot.migrating:
                 raise SessionError(f"session {r.session_id}: a migration is already in progress")
             slot.migrating = True
-        t = MigrationTicket(r.target, r.target_token or None, r.mode or "lossless", live=r.live)
+        if not 0 <= r.rate_mb_s < 1e6:
+            raise ConfigError(f"rate_mb_s must be between 0 and 1e6 MB/s, not {r.rate_mb_s}")
+        t = MigrationTicket(r.target, r.target_token or None, r.mode or "raw", live=r.live,
+                            rate=r.rate_mb_s * 1e6 or PRECOPY_RATE)
         threading.Thread(target=srv.run_ticket, args=(r.session_id, slot, t), daemon=True,
                          name=f"migrate-{r.session_id}").start()
         while (p := t.progress.get()) is not None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from actor_guests import GUESTS_DIR
 from checkpoint import codecs, snapshot
 from checkpoint.errors import CheckpointError
-from checkpoint.frames import KV, Frame, FrameDecoder, FrameWriter, iter_frames
+from checkpoint.frames import HEADER, KV, Frame, FrameDecoder, FrameWriter, iter_frames
 from runtime.host import ModelHost
 from runtime.session import SamplingParams, SessionOptions
 
@@ -97,12 +97,47 @@ def test_streamed_deltas_rebuild_the_session(host):
             r.apply(Frame(1, KV, {"batch": bad}, 0))
 
 
+def test_chunked_stream_appends_in_place(host):
+    """Pre-copy sends token ranges of each layer; the target grows each layer once,
+    to the size the header announces, and continues exactly."""
+    s = host.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    twin = host.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    chat_turns(s, ["one two three"])
+    chat_turns(twin, ["one two three"])
+    sn = snapshot.Snapshotter(s, "raw")
+    chunks = [sn.header()] + list(sn.encode(sn.extract(chunk=5)))
+    n0 = sn.sent_tokens
+    kv = [f for f in FrameDecoder().feed(b"".join(chunks)) if f.kind == KV]  # the stream so far
+    assert len(kv) == len(s.cache) * -(-n0 // 5) and kv[0].body["end"] == 5
+    chat_turns(s, ["four"])
+    chat_turns(twin, ["four"])
+    chunks += list(sn.finish())
+    r = snapshot.Restorer(host, session_id="chunked")
+    for f in iter_frames(chunks):
+        r.apply(f)
+        if f.kind == KV and "layer" in f.body and f.body["end"] == 5:
+            grown = r.caches[f.body["layer"]].keys.shape[2]
+            assert grown >= n0 + 256  # reserved at the first range, not grown per 256 tokens
+    b = r.commit()
+    assert chat_turns(b, ["five"]) == chat_turns(twin, ["five"])
+    # a header that announces more tokens than the session's context is not believed
+    r = snapshot.Restorer(host, session_id="hostile")
+    head = next(iter_frames([chunks[0]])).body
+    r.apply(Frame(0, HEADER, {**head, "cache": {**head["cache"], "tokens": 1 << 21}}, 0))
+    r.apply(kv[0])
+    assert r.caches[0].keys.shape[2] <= 512
+
+
 def test_codecs_roundtrip_and_ratios():
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((1, 3, 200, 64)) * np.exp(rng.standard_normal((1, 3, 1, 64)))).astype(np.float32)
     for dtype, u in [("float32", x.view(np.uint32)), ("float16", x.astype(np.float16).view(np.uint16))]:
         b = codecs.encode(u, dtype, "lossless")
         assert np.array_equal(codecs.decode(b, "t"), u)
+        raw = codecs.encode(u, dtype, "raw")
+        assert raw["codec"] == "raw" and np.array_equal(codecs.decode(raw, "t"), u)
+        with pytest.raises(CheckpointError, match="t: payload is .* bytes, expected"):
+            codecs.decode({**raw, "parts": [raw["parts"][0][:-1]]}, "t")
         for mode, tol in (("int8", 0.02), ("int4", 0.3)):
             q = codecs.decode(codecs.encode(u, dtype, mode), "t")
             back = q.view(np.float32) if dtype == "float32" else q.view(np.float16).astype(np.float32)

@@ -275,7 +275,7 @@ def cmd_bench_fuzz(a) -> int:
 def cmd_bench_migrate(a) -> int:
     from runtime.bench.migrate import plot, run
 
-    r = run(tuple(a.contexts), a.generate, threads=a.threads or None,
+    r = run(tuple(a.contexts), a.generate, threads=a.threads or None, pin=a.pin,
             progress=(lambda m: print(m, file=sys.stderr)))
     if a.plot:
         plot(r, a.plot)
@@ -327,11 +327,41 @@ def _tls(a, prefix: str = "tls") -> dict | None:
     return {"cert": cert, "key": key, "ca": ca} if (cert or ca) else None
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """``"0-3,6"`` -> {0, 1, 2, 3, 6}; every CPU must exist on this machine."""
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise KvferryError(f"--cpus '{spec}': expected CPU numbers and ranges like 0-3,6") from None
+    have = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    if not cpus or not cpus <= have:
+        raise KvferryError(f"--cpus '{spec}': this machine offers CPUs {_ranges(sorted(have))}")
+    return cpus
+
+
+def _ranges(xs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
 def cmd_serve(a) -> int:
     from runtime.cluster import ensure_token, serve
 
     bind = f"{a.bind}:{a.port}"
     token = ensure_token(a.token, a.no_auth)
+    if a.cpus:
+        if not hasattr(os, "sched_setaffinity"):
+            raise KvferryError("--cpus needs CPU affinity, which this OS does not offer (Linux only)")
+        os.sched_setaffinity(0, parse_cpus(a.cpus))  # inherited by Ray and the host's actor process
     if a.threads is not None:
         if a.threads < 1:
             raise KvferryError(f"--threads must be at least 1, not {a.threads}")
@@ -480,6 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or an embedded Ray)")
     sv.add_argument("--threads", type=int, help="CPU threads for the model's matrix products (like llama.cpp "
                     "-t; default: all cores). Give each host its share when several share a machine")
+    sv.add_argument("--cpus", metavar="LIST", help="run the host on these CPUs only, e.g. 0-3 (like llama.cpp "
+                    "--cpu-range; Linux). Hosts sharing a machine then do not slow each other's steps")
     sv.add_argument("--max-kv-mb", type=float, help="KV cache memory this host may hold; restores and "
                     "incoming migrations beyond it are refused (default: no limit)")
     tls_args(sv)
@@ -552,6 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="reply limit; each run reads until 16 tokens after the handoff")
     bm.add_argument("--threads", type=int, default=1,
                     help="BLAS threads per host (both share this machine; 0: the BLAS default)")
+    bm.add_argument("--pin", action="store_true",
+                    help="each host on its own half of the CPUs (serve --cpus), as on two machines "
+                         "(default: both share every CPU)")
     bm.add_argument("--plot", help="write a PNG figure (needs matplotlib)")
     bm.add_argument("--json", action="store_true")
     bz = add(b, "zero-copy", cmd_bench_zero_copy,

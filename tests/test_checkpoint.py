@@ -134,6 +134,18 @@ def test_codecs_roundtrip_and_ratios():
     for dtype, u in [("float32", x.view(np.uint32)), ("float16", x.astype(np.float16).view(np.uint16))]:
         b = codecs.encode(u, dtype, "lossless")
         assert np.array_equal(codecs.decode(b, "t"), u)
+        for mode, bits in (("int8", 8), ("int4", 4)):  # hostile quantized blobs: one line each
+            q = codecs.encode(u, dtype, mode)
+            assert q["codec"] == f"sq{bits}"
+            for bad in ({"meta": {**q["meta"], "base": 10 ** 6}}, {"meta": {**q["meta"], "group": 7}},
+                        {"meta": {**q["meta"], "group": "x"}}, {"parts": [q["parts"][0][:20], *q["parts"][1:]]},
+                        {"parts": q["parts"][:1]}, {"dtype": "int32"}):
+                with pytest.raises(CheckpointError, match="^t: "):
+                    codecs.decode({**q, **bad}, "t")
+            if bits == 4:
+                wide = np.full(u.size, 9, np.int8).view(np.uint8).tobytes()
+                with pytest.raises(CheckpointError, match="codes out of range"):
+                    codecs.decode({**q, "parts": [codecs._z(wide), *q["parts"][1:]]}, "t")
         raw = codecs.encode(u, dtype, "raw")
         assert raw["codec"] == "raw" and np.array_equal(codecs.decode(raw, "t"), u)
         with pytest.raises(CheckpointError, match="t: payload is .* bytes, expected"):

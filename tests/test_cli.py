@@ -64,3 +64,16 @@ def test_bench_cpu_runs(smollm_dir):
         assert out[key] > 0
     assert out["fast"] == {"blas": out["fast"]["blas"], "dtype": "float32"}
     assert out["fast"]["blas"] != "reference" and out["stock"]["blas"] == "reference"
+
+
+def test_serve_cpus_is_checked_before_anything_starts():
+    from runtime.cli import parse_cpus
+
+    assert parse_cpus("0") == {0}
+    have = sorted(os.sched_getaffinity(0))
+    if len(have) > 1:
+        assert parse_cpus(f"{have[0]}-{have[1]}") == set(have[:2])
+    for bad, msg in (("x", "expected CPU numbers"), ("4096", "this machine offers CPUs"),
+                     ("1-0", "this machine offers CPUs")):
+        r = kvferry("serve", "--cpus", bad, "--port", "0", env={"KVFERRY_TOKEN": "t"}, timeout=60)
+        assert r.returncode != 0 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -1,6 +1,7 @@
 """``kvferry bench fuzz``: thousands of mutated real checkpoints.
 
-A short SmolLM2 conversation is checkpointed; each case applies one random
+A short SmolLM2 conversation is checkpointed in every mode (lossless, raw,
+int8, int4); each case picks one of them and applies one random
 mutation (bit flip, truncation, insertion, deletion, overwrite) and restores.
 Every case must end in a one-line CheckpointError, or, if the mutation left
 the bytes unchanged, in the same session. Anything else (another exception,
@@ -43,16 +44,21 @@ def run(cases: int = 10000, seed: int = 0, model: str | None = None) -> dict:
     s = host.create_session(sampling=SamplingParams(max_tokens=8))
     for _ in s.send("Hello!"):
         pass
+    from checkpoint.codecs import MODES
+
+    goods = []
     with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "good.kvf"
-        snapshot.save(s, path)
-        good = path.read_bytes()
+        for mode in MODES:
+            path = Path(d) / f"good-{mode}.kvf"
+            snapshot.save(s, path, mode)
+            goods.append(path.read_bytes())
     host.close_session(s.id)
     rng = random.Random(seed)
     rejected = unchanged = 0
     failures: list[str] = []
     t = time.perf_counter()
     for _ in range(cases):
+        good = rng.choice(goods)
         buf = bytes(mutate(bytearray(good), rng))
         try:
             restored = snapshot.restore(host, [buf])
@@ -71,6 +77,6 @@ def run(cases: int = 10000, seed: int = 0, model: str | None = None) -> dict:
             for sid in list(host.sessions):
                 host.close_session(sid)
     host.close()
-    return {"cases": cases, "checkpoint_bytes": len(good), "rejected": rejected,
+    return {"cases": cases, "modes": list(MODES), "checkpoint_bytes": [len(g) for g in goods], "rejected": rejected,
             "accepted_unchanged": unchanged, "failures": len(failures),
             "failure_examples": failures[:5], "seconds": round(time.perf_counter() - t, 1)}

@@ -38,9 +38,9 @@ def _free_port() -> int:
 
 
 class _Host:
-    def __init__(self, token: str, threads: int | None = None):
+    def __init__(self, token: str, threads: int | None = None, cpus: str | None = None):
         self.port = _free_port()
-        extra = ["--threads", str(threads)] if threads else []
+        extra = (["--threads", str(threads)] if threads else []) + (["--cpus", cpus] if cpus else [])
         self.proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", str(self.port), *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "KVFERRY_TOKEN": token}, start_new_session=True)
@@ -76,14 +76,28 @@ def _prompt(tokens: int, limit: int) -> str:
     return "Read this log and continue it.\n" + tok.decode(ids)
 
 
+def split_cpus() -> tuple[str, str] | None:
+    """Half of this machine's CPUs for each host (``serve --cpus``), as two machines
+    would have; None where affinity is not available or there is one CPU."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
+
+
 def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrate_after: int = 8,
-        threads: int | None = 1, progress=print) -> dict:
+        threads: int | None = 1, pin: bool = False, progress=print) -> dict:
     """``threads``: BLAS threads per host (``serve --threads``): both hosts share this
-    machine, so each gets its share of the cores; None = the BLAS default (all)."""
+    machine, so each gets its share of the cores; None = the BLAS default (all).
+    ``pin``: each host on its own half of the CPUs (``serve --cpus``)."""
     from runtime.sdk import Client
 
     token = secrets.token_urlsafe(16)
-    a, b = _Host(token, threads), _Host(token, threads)
+    cpus = split_cpus() if pin else None
+    a, b = _Host(token, threads, cpus and cpus[0]), _Host(token, threads, cpus and cpus[1])
     rows = []
     try:
         ca, cb = Client(a.address, token), Client(b.address, token)
@@ -107,6 +121,7 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
                     rows.append(_one(a, b, token, ck, f"m{ctx}{'l' if live else 's'}", live, n_ctx,
                                      reprefill_ms, generate, after, migrate_after))
                     rows[-1]["threads_per_host"] = threads or "default"
+                    rows[-1]["cpus"] = {"source": cpus[0], "target": cpus[1]} if cpus else "shared"
                     progress(f"  {rows[-1]}")
     finally:
         a.stop()

@@ -40,9 +40,9 @@ from .session import SamplingParams, SessionError, SessionOptions
 
 MAX_MESSAGE = 64 << 20
 WINDOW_FRAMES = 256  # unacknowledged checkpoint frames in flight ...
+WINDOW_BYTES = 32 << 20  # ... and bytes: big KV frames are paced, small final ones are not
 PRECOPY_RATE = 40e6  # live pre-copy default: a steady trickle leaves memory bandwidth to generation
 PRECOPY_CHUNK = 3 << 19  # pre-copy frames carry ~1.5 MB of one layer's KV (a token range)
-WINDOW_BYTES = 32 << 20  # ... and bytes: big KV frames are paced, small final ones are not
 ACK_EVERY_FRAMES, ACK_EVERY_BYTES = 16, 4 << 20  # the target acks this often (< the window)
 PREPARED_TTL = 120.0
 
@@ -648,13 +648,13 @@ class _Sessions(pbg.SessionsServicer):
         srv = self.srv
         if r.target == srv.address:
             raise ConfigError(f"session {r.session_id} is already on {r.target}")
+        if not 0 <= r.rate_mb_s < 1e6:
+            raise ConfigError(f"rate_mb_s must be between 0 and 1e6 MB/s, not {r.rate_mb_s}")
         slot = srv.slot(r.session_id)
         with srv._lock:
             if slot.migrating:
                 raise SessionError(f"session {r.session_id}: a migration is already in progress")
             slot.migrating = True
-        if not 0 <= r.rate_mb_s < 1e6:
-            raise ConfigError(f"rate_mb_s must be between 0 and 1e6 MB/s, not {r.rate_mb_s}")
         t = MigrationTicket(r.target, r.target_token or None, r.mode or "raw", live=r.live,
                             rate=r.rate_mb_s * 1e6 or PRECOPY_RATE)
         threading.Thread(target=srv.run_ticket, args=(r.session_id, slot, t), daemon=True,

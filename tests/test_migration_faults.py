@@ -159,6 +159,8 @@ def test_live_precopy_in_small_chunks_mid_reply(pair, monkeypatch, mode):
     th.start()
     while len(got) < 4:
         time.sleep(0.005)
+    with pytest.raises(RemoteError, match="rate_mb_s must be between 0 and 1e6"):
+        Client(a.address, TOKEN).session(s.id).migrate(to=b.address, live=True, rate_mb_s=-1)
     m = Client(a.address, TOKEN).session(s.id).migrate(to=b.address, live=True, mode=mode, rate_mb_s=50)
     th.join(60)
     assert m.target == b.address and s.id in b.host.sessions and s.id not in a.host.sessions

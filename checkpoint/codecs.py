@@ -192,6 +192,30 @@ def _from_float32(x: np.ndarray, dtype: str) -> np.ndarray:
     return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
 
 
+def _split_sink(u: np.ndarray, dtype: str, sink: int) -> tuple[int, int, int, bytes, np.ndarray]:
+    """The first ``sink`` tokens' exact bits (compressed) and the rest as float32
+    ``[BH, T - sink, D]``; returns ``(t, d, sink, sink_part, x)`` with ``t`` all tokens."""
+    t, d = (u.shape[-2], u.shape[-1]) if u.ndim >= 2 else (1, u.shape[-1])
+    sink = max(0, min(sink, t - 1))
+    sink_part = b""
+    if sink:
+        sink_part = _z(np.ascontiguousarray(u.reshape(-1, t, d)[:, :sink]).tobytes(), 1)
+    return t, d, sink, sink_part, _to_float32(u, dtype).reshape(-1, t, d)[:, sink:]
+
+
+def _join_sink(b: dict, i: int, out: np.ndarray, sink: int, where: str) -> np.ndarray:
+    """Prepend the exact sink tokens (payload part ``i``) to decoded ``out`` ``[BH, T', D]``."""
+    if not sink:
+        return out
+    utype, width = DTYPES[b["dtype"]]
+    bh, d = out.shape[0], out.shape[2]
+    n = bh * sink * d * width
+    raw = _unz(_part(b, i, where), n, where)
+    if len(raw) != n:
+        raise CheckpointError(f"{where}: sink tokens are {len(raw)} bytes, expected {n}")
+    return np.concatenate([np.frombuffer(raw, dtype=utype).reshape(bh, sink, d), out], axis=1)
+
+
 def encode_quantized(u: np.ndarray, dtype: str, bits: int, group: int = 64, axis: str = "d",
                      sink: int = 0) -> dict:
     """Affine ``bits``-bit codes in groups of ``group`` values: along the head dim
@@ -200,12 +224,7 @@ def encode_quantized(u: np.ndarray, dtype: str, bits: int, group: int = 64, axis
     token's range, as KIVI observes). The first ``sink`` tokens (attention
     sinks, which most heads attend to heavily) are kept bit-exact."""
     shape = list(u.shape)
-    t, d = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])
-    sink = max(0, min(sink, t - 1))
-    sink_part = b""
-    if sink:
-        sink_part = _z(np.ascontiguousarray(u.reshape(-1, t, d)[:, :sink]).tobytes(), 1)
-    x = _to_float32(u, dtype).reshape(-1, t, d)[:, sink:]
+    t, d, sink, sink_part, x = _split_sink(u, dtype, sink)
     t -= sink
     if axis == "t":
         x = x.transpose(0, 2, 1)  # [BH, D, T]
@@ -239,7 +258,6 @@ def _decode_quantized(b: dict, nbytes: int, where: str) -> np.ndarray:
     sink = meta.get("sink", 0)
     if not isinstance(sink, int) or not 0 <= sink < max(t, 1):
         raise CheckpointError(f"{where}: malformed quantized layout")
-    utype, width = DTYPES[dtype]
     bh = int(np.prod(shape)) // (t * d) if t * d else 0
     t -= sink
     n = bh * t * d
@@ -251,12 +269,6 @@ def _decode_quantized(b: dict, nbytes: int, where: str) -> np.ndarray:
         ok = axis == "d" and m == n and layout[1:] == (t, d)
     if not ok:
         raise CheckpointError(f"{where}: malformed quantized layout")
-    sink_bits = None
-    if sink:
-        raw = _unz(_part(b, 3, where), bh * sink * d * width, where)
-        if len(raw) != bh * sink * d * width:
-            raise CheckpointError(f"{where}: sink tokens are {len(raw)} bytes, expected {bh * sink * d * width}")
-        sink_bits = np.frombuffer(raw, dtype=utype).reshape(bh, sink, d)
     codes = np.frombuffer(_unz(_part(b, 0, where), m, where), dtype=np.uint8)
     scale = np.frombuffer(_unz(_part(b, 1, where), 2 * (m // g), where), dtype=np.float16)
     bias = np.frombuffer(_unz(_part(b, 2, where), 2 * (m // g), where), dtype=np.float16)
@@ -269,9 +281,7 @@ def _decode_quantized(b: dict, nbytes: int, where: str) -> np.ndarray:
     x = x.reshape(layout)
     if axis == "t":
         x = x[..., :t].transpose(0, 2, 1)
-    bits = _from_float32(np.ascontiguousarray(x).reshape(bh, t, d), dtype)
-    if sink_bits is not None:
-        bits = np.concatenate([sink_bits, bits], axis=1)
+    bits = _join_sink(b, 3, _from_float32(np.ascontiguousarray(x).reshape(bh, t, d), dtype), sink, where)
     return np.ascontiguousarray(bits).reshape(shape)
 
 
@@ -282,12 +292,7 @@ def encode_symmetric(u: np.ndarray, dtype: str, bits: int, group: int = 64, sink
     """Symmetric ``bits``-bit codes in groups of ``group`` values along the head dim,
     one byte of (log) scale per group; the first ``sink`` tokens kept bit-exact."""
     shape = list(u.shape)
-    t, d = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])
-    sink = max(0, min(sink, t - 1))
-    sink_part = b""
-    if sink:
-        sink_part = _z(np.ascontiguousarray(u.reshape(-1, t, d)[:, :sink]).tobytes(), 1)
-    x = _to_float32(u, dtype).reshape(-1, t, d)[:, sink:]
+    t, d, sink, sink_part, x = _split_sink(u, dtype, sink)
     g = group if d % group == 0 else d
     xg = x.reshape(-1, g)
     levels = (1 << (bits - 1)) - 1
@@ -311,19 +316,12 @@ def _decode_symmetric(b: dict, nbytes: int, where: str) -> np.ndarray:
     g, base, sink = meta.get("group"), meta.get("base"), meta.get("sink", 0)
     t, d = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])
     bits = int(b["codec"][2:])
-    utype, width = DTYPES[dtype]
     if not (isinstance(g, int) and isinstance(base, int) and isinstance(sink, int) and 0 < g <= d
             and d % g == 0 and -2400 <= base <= 1700 and 0 <= sink < max(t, 1)) or dtype not in FLOATS:
         raise CheckpointError(f"{where}: malformed quantized layout")
     bh = int(np.prod(shape)) // (t * d) if t * d else 0
     t -= sink
     n = bh * t * d
-    sink_bits = None
-    if sink:
-        raw = _unz(_part(b, 2, where), bh * sink * d * width, where)
-        if len(raw) != bh * sink * d * width:
-            raise CheckpointError(f"{where}: sink tokens are {len(raw)} bytes, expected {bh * sink * d * width}")
-        sink_bits = np.frombuffer(raw, dtype=utype).reshape(bh, sink, d)
     codes = np.frombuffer(_unz(_part(b, 0, where), n, where), dtype=np.int8)
     e = np.frombuffer(_unz(_part(b, 1, where), n // g, where), dtype=np.uint8)
     if codes.size != n or e.size != n // g:
@@ -334,10 +332,7 @@ def _decode_symmetric(b: dict, nbytes: int, where: str) -> np.ndarray:
     scale = np.exp2((e.astype(np.float64) + base) / SCALE_STEPS).astype(np.float32)
     codes = codes.reshape(bh, d, t).transpose(0, 2, 1).reshape(-1, g)
     x = (codes.astype(np.float32) * scale[:, None]).reshape(bh, t, d)
-    out = _from_float32(x, dtype)
-    if sink_bits is not None:
-        out = np.concatenate([sink_bits, out], axis=1)
-    return np.ascontiguousarray(out).reshape(shape)
+    return np.ascontiguousarray(_join_sink(b, 2, _from_float32(x, dtype), sink, where)).reshape(shape)
 
 
 # ----------------------------------------------------------------------------- API

@@ -11,6 +11,7 @@ out, so a failed restore never leaves half a session behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -61,6 +62,17 @@ def _mx_from_bits(u: np.ndarray, dtype: str):
     if dtype in ("float32", "float16", "bfloat16"):
         a = a.view(getattr(mx, dtype))
     return a
+
+
+@contextlib.contextmanager
+def _oom(where: str) -> Iterator[None]:
+    """MLX reports a failed allocation as RuntimeError: name it."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:
+        if isinstance(e, MemoryError) or "alloc" in str(e).lower():
+            raise OutOfMemoryError(f"{where}: out of memory on this host ({e})") from None
+        raise
 
 
 def _cache_kind(c) -> str:
@@ -116,7 +128,7 @@ class Snapshotter:
         }
         return self.w.frame(HEADER, head)
 
-    def extract(self, upto: int | None = None, lock=None, budget: float = 0.008,
+    def extract(self, upto: int | None = None, lock=None, budget: float = 0.002,
                 chunk: int | None = None) -> Iterator[tuple]:
         """Copy the KV of tokens [sent_tokens, upto) out of the cache, layer by layer
         (and with ``chunk``, in token ranges of at most that many tokens).
@@ -126,9 +138,8 @@ class Snapshotter:
         seconds (at least one piece each): steps only append, so the range stays
         valid between holds. Copies, not views: a view would pin the cache's
         buffer and make every later step copy the whole cache instead of
-        updating it in place."""
-        import contextlib
-
+        updating it in place. Yielded pieces may live in reused scratch memory:
+        use each before asking for the next (as :meth:`encode` does)."""
         import mlx.core as mx
 
         s = self.s
@@ -139,6 +150,9 @@ class Snapshotter:
         self.sent_tokens = n
         step = max(1, chunk or n - t0)
         pieces = [(i, a, min(a + step, n)) for i in range(len(s.cache)) for a in range(t0, n, step)]
+        if self.kind == "KVCache" and s.cache[0].keys.dtype in (mx.float32, mx.float16):
+            yield from self._extract_np(pieces, n, lock, budget)
+            return
         j = 0
         while j < len(pieces):
             out = []
@@ -160,6 +174,50 @@ class Snapshotter:
                     del c
                     j += 1
             yield from out  # encoded outside the hold
+
+    def _extract_np(self, pieces: list[tuple[int, int, int]], n: int, lock, budget: float) -> Iterator[tuple]:
+        """:meth:`extract` for float32/float16 ``KVCache``: numpy copies pieces
+        straight out of MLX's buffers (no MLX op, so nothing is queued on the
+        stream a generating session uses) into scratch memory reused from hold to
+        hold, whose pages are already mapped: first-touch faults cost ~2 ms/MB on
+        a VM, and inside a hold they would stall the next step. The yielded arrays
+        are valid until the next piece is asked for: :meth:`encode` copies them
+        into a frame first."""
+        import mlx.core as mx
+
+        per_hold = 8 if lock is not None else 1
+        pool: list[np.ndarray] = []  # keys and values scratch for each piece of a hold
+        j = 0
+        while j < len(pieces):
+            c = self.s.cache[pieces[j][0]]
+            row = max(a.shape[0] * a.shape[1] * a.shape[3] * (4 if a.dtype == mx.float32 else 2)
+                      for a in (c.keys, c.values))
+            del c
+            need = row * max(b - a for _, a, b in pieces[j:j + per_hold])
+            if len(pool) < 2 * per_hold or pool[0].nbytes < need:  # sized outside the hold
+                pool = [np.zeros(need, np.uint8) for _ in range(2 * per_hold)]
+            out = []
+            with lock if lock is not None else contextlib.nullcontext():
+                start = time.perf_counter()
+                while j < len(pieces) and len(out) < per_hold and (not out or time.perf_counter() - start < budget):
+                    i, a, b = pieces[j]
+                    c = self.s.cache[i]
+                    if c.offset < n:
+                        raise CheckpointError(f"layer {i} cache holds {c.offset} tokens, history has {n}")
+                    sides = []
+                    for buf, arr in zip(pool[2 * len(out):], (c.keys, c.values)):
+                        u = np.uint32 if arr.dtype == mx.float32 else np.uint16
+                        # a view of MLX's buffer, dropped within the hold: kept, it would
+                        # stop the next step updating the cache in place
+                        src = np.array(arr, copy=False)[..., a:b, :].view(u)
+                        dst = buf[:src.nbytes].view(u).reshape(src.shape)
+                        np.copyto(dst, src)
+                        sides.append((dst, "float32" if u is np.uint32 else "float16"))
+                        del src
+                    del c, arr
+                    out.append((i, a, b, sides[0], sides[1], None))
+                    j += 1
+            yield from out
 
     def encode(self, extracted: Iterable[tuple], batch: bool = False) -> Iterator[bytes]:
         """KV frames from :meth:`extract`'s copies (no lock needed): one per layer,
@@ -305,9 +363,15 @@ class Restorer:
             elif not (isinstance(batch, list) and 0 < len(batch) <= len(self.chunks)
                       and all(isinstance(b, dict) and "batch" not in b for b in batch)):
                 raise CheckpointError(f"{where}: malformed KV batch")
-            else:
-                for j, b in enumerate(batch):
-                    self._kv(b, f"{where} entry {j}")
+            else:  # a final delta: one hold of the lock and one evaluation for all layers
+                import mlx.core as mx
+
+                pending: list = []
+                with self.lock:
+                    for j, b in enumerate(batch):
+                        self._kv(b, f"{where} entry {j}", pending)
+                    with _oom(where):
+                        mx.eval(pending)
         elif f.kind == STATE:
             self.state = f.body
         elif f.kind == GUEST:
@@ -355,7 +419,9 @@ class Restorer:
 
             self.caches = [KVCache() for _ in range(n)]
 
-    def _kv(self, b: dict, where: str) -> None:
+    def _kv(self, b: dict, where: str, pending: list | None = None) -> None:
+        """Apply one KV body. ``pending``: the caller holds the lock; the updated
+        arrays are added to it for one evaluation of a whole batch."""
         i, t0, t1 = b.get("layer"), b.get("start"), b.get("end")
         n = len(self.chunks)
         if not (isinstance(i, int) and 0 <= i < n and isinstance(t0, int) and isinstance(t1, int)
@@ -405,15 +471,13 @@ class Restorer:
         import mlx.core as mx
 
         self._admit(k.nbytes + v.nbytes, where)
-        try:
-            with self.lock:
-                self._reserve(c, t1, k.shape, b["keys"]["dtype"], v.shape, b["values"]["dtype"], where)
-                c.update_and_fetch(_mx_from_bits(k, b["keys"]["dtype"]), _mx_from_bits(v, b["values"]["dtype"]))
+        with _oom(where), self.lock if pending is None else contextlib.nullcontext():
+            self._reserve(c, t1, k.shape, b["keys"]["dtype"], v.shape, b["values"]["dtype"], where)
+            c.update_and_fetch(_mx_from_bits(k, b["keys"]["dtype"]), _mx_from_bits(v, b["values"]["dtype"]))
+            if pending is None:
                 mx.eval(c.keys, c.values)
-        except (RuntimeError, MemoryError) as e:  # MLX reports a failed allocation as RuntimeError
-            if isinstance(e, MemoryError) or "alloc" in str(e).lower():
-                raise OutOfMemoryError(f"{where}: out of memory on this host ({e})") from None
-            raise
+            else:
+                pending += [c.keys, c.values]
         self.chunks[i].append((t0, t1, None))
 
     def _reserve(self, c, t1: int, kshape, kdtype: str, vshape, vdtype: str, where: str) -> None:

@@ -95,6 +95,7 @@ class SessionHost:
 
         self.host = ModelHost(model, dtype=dtype, progress=False, max_kv_bytes=max_kv_bytes)
         warmup(self.host.lm)
+        self.host.preload()
         self.ctl = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
         node = f"{socket.gethostname()}/{ray.get_runtime_context().get_node_id()[:8]}"
         self.srv = HostServer(self.host, bind, token=token, allow_no_auth=allow_no_auth,

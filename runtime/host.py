@@ -76,6 +76,19 @@ class ModelHost:
         self.compute = threading.Lock()  # one model step at a time: MLX work is serialised
         self.max_kv_bytes = max_kv_bytes  # admission limit for restored / migrated-in KV
 
+    def preload(self) -> None:
+        """Compile the default guest and import the restore path now, so the first
+        session or migration landing on this host does not pay for them (~15 ms)
+        while a conversation is paused."""
+        import checkpoint.snapshot  # noqa: F401
+
+        from . import abi  # noqa: F401
+
+        try:
+            self.guest_module(None)
+        except GuestError:
+            pass  # reported to the first session that asks for it
+
     def guest_module(self, guest: str | Path | None) -> GuestModule:
         path = str(guest or DEFAULT_GUEST)
         gm = self._modules.get(path)

@@ -164,6 +164,9 @@ class TurnFeed:
     done: bool = False
     cancel: bool = False
     cond: threading.Condition = field(default_factory=threading.Condition)
+    # (token, text) the turn had when it landed: re-sent only to a client asking
+    # from an earlier index, so generation resumes without replaying them first
+    earlier: list = field(default_factory=list)
 
     def put(self, c: Any = None, done: bool = False) -> None:
         with self.cond:
@@ -309,8 +312,9 @@ class HostServer:
         """Generate a landed turn into ``feed`` (holds the slot like a Send would)."""
         try:
             s = self.host.get(sid)
-            for c in self.run_turn(s, slot, s.continue_turn(0), lambda: not feed.cancel):
+            for c in self.run_turn(s, slot, s.continue_turn(len(feed.earlier)), lambda: not feed.cancel):
                 feed.put(c)
+                time.sleep(0)  # hand the GIL to the follower now, not after the next step's graph
         except Exception as e:  # reported to whoever follows the feed; the session stays
             feed.put(pb.TokenChunk(index=-1, token=-1, finish_reason="error", text=str(e)))
         finally:
@@ -607,6 +611,8 @@ class _Sessions(pbg.SessionsServicer):
 
     @staticmethod
     def _follow(feed: TurnFeed, from_index: int, context) -> Iterator[pb.TokenChunk]:
+        for j in range(max(0, from_index), len(feed.earlier)):
+            yield pb.TokenChunk(index=j, token=feed.earlier[j][0], text=feed.earlier[j][1])
         i = 0
         while True:
             with feed.cond:
@@ -768,7 +774,8 @@ class _Migration(pbg.MigrationServicer):
                         if inc.prepared.turn is not None:  # it moved mid-reply: generate on now
                             slot = srv.slots.setdefault(inc.session_id, Slot())
                             slot.lock.acquire()
-                            feed = srv.feeds[inc.session_id] = TurnFeed()
+                            t = inc.prepared.turn
+                            feed = srv.feeds[inc.session_id] = TurnFeed(earlier=list(zip(t.tokens, t.texts)))
                             srv.executor.submit(srv.drive, inc.session_id, slot, feed)
                     yield pb.MigrationAck(state="committed", next_seq=inc.next_seq, session_id=inc.session_id)
                     srv._dir("register_session", inc.session_id, srv.address)

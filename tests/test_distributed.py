@@ -263,6 +263,9 @@ def test_source_killed_after_the_target_committed(two_hosts):
         assert m.target == b.address and 0 < len(got) <= 40
         rest = [c.token for c in Client(b.address, TOKEN).session(s.id).resume(len(got)) if c.token >= 0]
         assert got + rest == ref
+        # from index 0, the target re-sends the tokens generated before the move too
+        whole = [c for c in Client(b.address, TOKEN).session(s.id).resume(0) if c.token >= 0]
+        assert [c.token for c in whole] == ref and [c.index for c in whole] == list(range(len(ref)))
         on_b = [x["id"] for x in Client(b.address, TOKEN).sessions()]
         assert on_b.count(s.id) == 1
         with pytest.raises(RemoteError):

@@ -41,6 +41,7 @@ from .session import SamplingParams, SessionError, SessionOptions
 MAX_MESSAGE = 64 << 20
 WINDOW_FRAMES = 256  # unacknowledged checkpoint frames in flight ...
 WINDOW_BYTES = 32 << 20  # ... and bytes: big KV frames are paced, small final ones are not
+RUNNING_WAIT = 5.0  # s: how long a source keeps a moved session's memory for the target's first token
 PRECOPY_RATE = 40e6  # live pre-copy default: a steady trickle leaves memory bandwidth to generation
 PRECOPY_CHUNK = 3 << 19  # pre-copy frames carry ~1.5 MB of one layer's KV (a token range)
 ACK_EVERY_FRAMES, ACK_EVERY_BYTES = 16, 4 << 20  # the target acks this often (< the window)
@@ -174,6 +175,11 @@ class TurnFeed:
                 self.chunks.append(c)
             self.done = self.done or done
             self.cond.notify_all()
+
+    def wait_started(self, timeout: float) -> None:
+        """Until the first chunk (or the end) is out, at most ``timeout`` seconds."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.chunks or self.done, timeout)
 
 
 @dataclass
@@ -380,9 +386,12 @@ class HostServer:
                 self.slots.pop(sid, None)
                 self.feeds.pop(sid, None)
             t.pause_ms = (time.perf_counter() - t_pause) * 1000
+            with self.host.lock:
+                self.host.sessions.pop(sid, None)  # listed on the target only from now on
             self.unpause(slot, pause)  # the client's stream moves on to the target right away
             pause = None
-            self.host.close_session(sid)
+            link.wait_running(RUNNING_WAIT)  # off the critical path: after the target's first token
+            s.close()
             self._dir("move", sid, self.address, t.target)
         except grpc.RpcError as e:
             link.abort()
@@ -484,6 +493,23 @@ class _Link:
             self.reqs.put(pb.MigrationMessage(frame=pb.FramePart(seq=len(self.frames), data=f)))
             self.frames.append(f)
             self.ends.append(self.bytes + len(f))
+
+    def wait_running(self, timeout: float) -> None:
+        """Best effort: until the target reports the landed turn's first token, the
+        stream ends, or ``timeout`` passes (the session is the target's already)."""
+        done = threading.Event()
+
+        def read() -> None:
+            try:
+                while self.state != "running":
+                    ack = next(self.acks)
+                    self.state = ack.state
+            except Exception:
+                pass
+            finally:
+                done.set()
+        threading.Thread(target=read, daemon=True, name="kvferry-running").start()
+        done.wait(timeout)
 
     def wait_restored(self) -> None:
         while self.state != "restored":
@@ -723,6 +749,7 @@ class _Migration(pbg.MigrationServicer):
                                       f"({srv.host.lm.fingerprint[:12]}…), the session's model differs")
                     if b.migration_id in srv.committed:  # the link dropped after our commit ack
                         yield pb.MigrationAck(state="committed", next_seq=0, session_id=b.session_id)
+                        yield pb.MigrationAck(state="running", next_seq=0, session_id=b.session_id)
                         continue
                     with srv._lock:
                         inc = srv.incoming.get(b.migration_id)
@@ -778,7 +805,12 @@ class _Migration(pbg.MigrationServicer):
                             feed = srv.feeds[inc.session_id] = TurnFeed(earlier=list(zip(t.tokens, t.texts)))
                             srv.executor.submit(srv.drive, inc.session_id, slot, feed)
                     yield pb.MigrationAck(state="committed", next_seq=inc.next_seq, session_id=inc.session_id)
+                    # Bookkeeping waits for the landed turn's first token: on a shared
+                    # machine it would slow the step the client is waiting for.
+                    if (feed := srv.feeds.get(inc.session_id)) is not None:
+                        feed.wait_started(RUNNING_WAIT)
                     srv._dir("register_session", inc.session_id, srv.address)
+                    yield pb.MigrationAck(state="running", next_seq=inc.next_seq, session_id=inc.session_id)
                     inc = None
                 elif kind == "abort":
                     with srv._lock:

@@ -161,7 +161,9 @@ def test_live_precopy_in_small_chunks_mid_reply(pair, monkeypatch, mode):
         time.sleep(0.005)
     with pytest.raises(RemoteError, match="rate_mb_s must be between 0 and 1e6"):
         Client(a.address, TOKEN).session(s.id).migrate(to=b.address, live=True, rate_mb_s=-1)
+    src = a.host.sessions[s.id]
     m = Client(a.address, TOKEN).session(s.id).migrate(to=b.address, live=True, mode=mode, rate_mb_s=50)
+    assert src.closed  # migrate() returns once the source has freed its copy (after the target's first token)
     th.join(60)
     assert m.target == b.address and s.id in b.host.sessions and s.id not in a.host.sessions
     assert got == ref and len(got) == 80

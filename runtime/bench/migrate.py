@@ -8,6 +8,8 @@ the reference continuation.
 
 - ``downtime_ms``: the longest gap in the client's token stream around the
   migration, minus the median normal inter-token gap;
+- ``twin_worst_gap_over_median_ms``: the same statistic for the unmigrated twin
+  over the same stretch of its reply: what this machine's noise alone gives;
 - ``total_ms``: the whole migration as the source reports it;
 - ``bytes``: on the wire; ``reprefill_ms``: host B prefilling the same context
   from scratch (time to first token); ``identical``: continuation == twin's.
@@ -160,20 +162,25 @@ def _one(a: _Host, b: _Host, token: str, ck: Path, sid: str, live: bool, n_ctx: 
         t_mig = time.perf_counter()
         mig = Client(a.address, token).session(sid).migrate(to=b.address, live=live)
         th.join()
-        ref = []
+        ref, twin_stamps = [], []
         for c in twin.events("Continue the log."):
             if c.token < 0 or len(ref) == len(got):
                 break
             ref.append(c.token)
+            twin_stamps.append(time.perf_counter())
         gaps = [y - x for x, y in zip(stamps, stamps[1:])]
         idx = next(i for i, s in enumerate(stamps) if s >= t_mig)
         end = handoff[0] if handoff else len(stamps) - 1
         window = gaps[max(0, idx - 1): end]  # from the migration's start to the first token from B
         normal = statistics.median(gaps[:max(1, idx - 1)])
+        # the noise floor: the unmigrated twin's worst gap over the same stretch of its reply
+        tg = [y - x for x, y in zip(twin_stamps, twin_stamps[1:])]
+        tw = tg[max(0, idx - 1): end] or tg
         return {"context": n_ctx, "mode": "live" if live else "stop-copy",
                 "downtime_ms": round((max(window) - normal) * 1000, 1),
                 "handoff_gap_ms": round(gaps[end - 1] * 1000, 1) if handoff else None,
                 "normal_gap_ms": round(normal * 1000, 1),
+                "twin_worst_gap_over_median_ms": round((max(tw) - statistics.median(tg)) * 1000, 1) if tw else None,
                 "total_ms": round(mig.seconds * 1000, 1), "pause_ms": round(mig.pause_ms, 1),
                 "bytes": mig.bytes, "raw_kv_bytes": mig.raw_kv_bytes,
                 "reprefill_ms": round(reprefill_ms, 1), "identical": got == ref and len(got) > 0,

@@ -534,8 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--mode", default="raw", choices=["raw", "lossless", "int8", "int4"],
                     help="how the KV travels: raw (default, fast links), lossless (~1.2x smaller), int8/int4")
     mg.add_argument("--rate", type=float, default=0.0, metavar="MB/S",
-                    help="live pre-copy: MB/s of KV at most, so generation keeps its memory bandwidth "
-                         "(default 0: the host's default, 40)")
+                    help="live pre-copy: MB/s of KV at most (default 0: about 3 MB per decode step of "
+                         "the session, so generation keeps its pace; 40 MB/s if it is not generating)")
     mode = mg.add_mutually_exclusive_group()
     mode.add_argument("--live", action="store_true", help="pre-copy live migration (the default)")
     mode.add_argument("--stop-copy", action="store_true", help="stop-and-copy")

@@ -203,6 +203,7 @@ class Session:
         self.last = TurnStats()
         self.turn: TurnState | None = None
         self.kv_epoch = 0  # bumped whenever cached KV is rewritten (trim/reset), not just appended
+        self.step_seconds = 0.0  # recent time of one decode step (paces a live migration)
         self.closed = False
         if configure:  # restored sessions bring their guest memory (config, PRNG) instead
             self.configure(sampling)
@@ -387,8 +388,12 @@ class Session:
             if len(self.history) + 1 >= self.context and self.options.ctx is None:
                 finish = "length"
                 break
+            t_step = time.perf_counter()
             with self.host.compute:
                 tok = self.guest.call("kvferry_chat_step")
+            if n_new:  # the first step of a turn includes its prefill
+                dt = time.perf_counter() - t_step
+                self.step_seconds = 0.8 * self.step_seconds + 0.2 * dt if self.step_seconds else dt
             if tok < 0:
                 if tok not in STOP_CODES:
                     raise SessionError(f"guest '{self.guest.name}' returned unknown code {tok}")

@@ -168,3 +168,26 @@ def test_live_precopy_in_small_chunks_mid_reply(pair, monkeypatch, mode):
     assert m.target == b.address and s.id in b.host.sessions and s.id not in a.host.sessions
     assert got == ref and len(got) == 80
     assert m.raw_kv_bytes > 0 and (m.bytes > m.raw_kv_bytes if mode == "raw" else m.bytes < m.raw_kv_bytes)
+
+
+def test_precopy_pace_follows_the_step_time(pair):
+    """Without a rate, live pre-copy sends about PRECOPY_STEP_BYTES per decode
+    step of the session (measured as it generates), within 5-80 MB/s."""
+    from runtime.server import PRECOPY_RATE, PRECOPY_STEP_BYTES, precopy_rate
+
+    a, _ = pair
+    c, s, twin = conversation(a)
+    sess = a.host.sessions[s.id]
+    assert sess.step_seconds > 0  # measured while it generated (its prefill step excluded)
+    assert precopy_rate(sess) == PRECOPY_RATE  # not generating now
+
+    class Generating:
+        turn = object()
+        step_seconds = 0.1
+    assert precopy_rate(Generating) == pytest.approx(PRECOPY_STEP_BYTES / 0.1)
+    Generating.step_seconds = 1e-4
+    assert precopy_rate(Generating) == 80e6
+    Generating.step_seconds = 10.0
+    assert precopy_rate(Generating) == 5e6
+    s.close()
+    twin.close()

@@ -43,16 +43,12 @@ def _mx_bits(a) -> tuple[np.ndarray, str]:
     return np.array(a.view(view) if view is not None else a), name
 
 
-def _np_bits(a) -> tuple[np.ndarray, str]:
-    """Like :func:`_mx_bits` but reads the (evaluated) MLX buffer through the buffer
-    protocol, so no MLX op is queued on the stream a generating session uses."""
+def _np_kind(dtype) -> tuple[type, str] | None:
+    """(unsigned numpy type, name) to read an MLX dtype's bits through the buffer
+    protocol without an MLX op; None where numpy has no such dtype (bfloat16)."""
     import mlx.core as mx
 
-    if a.dtype in (mx.float32, mx.float16):
-        x = np.array(a, copy=False)  # a strided view of MLX's memory
-        return np.ascontiguousarray(x).view(np.uint32 if a.dtype == mx.float32 else np.uint16), \
-            "float32" if a.dtype == mx.float32 else "float16"
-    return _mx_bits(a)
+    return {mx.float32: (np.uint32, "float32"), mx.float16: (np.uint16, "float16")}.get(dtype)
 
 
 def _mx_from_bits(u: np.ndarray, dtype: str):
@@ -150,7 +146,7 @@ class Snapshotter:
         self.sent_tokens = n
         step = max(1, chunk or n - t0)
         pieces = [(i, a, min(a + step, n)) for i in range(len(s.cache)) for a in range(t0, n, step)]
-        if self.kind == "KVCache" and s.cache[0].keys.dtype in (mx.float32, mx.float16):
+        if self.kind == "KVCache" and _np_kind(s.cache[0].keys.dtype) is not None:
             yield from self._extract_np(pieces, n, lock, budget)
             return
         j = 0
@@ -166,7 +162,7 @@ class Snapshotter:
                     if self.kind == "KVCache":
                         k, v = c.keys[..., a:b, :], c.values[..., a:b, :]
                         mx.eval(k, v)
-                        out.append((i, a, b, _np_bits(k), _np_bits(v), None))
+                        out.append((i, a, b, _mx_bits(k), _mx_bits(v), None))
                     else:  # QuantizedKVCache: (packed, scales, biases) per side, stored exactly
                         out.append((i, a, b, [_mx_bits(x[..., a:b, :]) for x in c.keys],
                                     [_mx_bits(x[..., a:b, :]) for x in c.values],
@@ -183,15 +179,12 @@ class Snapshotter:
         a VM, and inside a hold they would stall the next step. The yielded arrays
         are valid until the next piece is asked for: :meth:`encode` copies them
         into a frame first."""
-        import mlx.core as mx
-
         per_hold = 8 if lock is not None else 1
         pool: list[np.ndarray] = []  # keys and values scratch for each piece of a hold
         j = 0
         while j < len(pieces):
             c = self.s.cache[pieces[j][0]]
-            row = max(a.shape[0] * a.shape[1] * a.shape[3] * (4 if a.dtype == mx.float32 else 2)
-                      for a in (c.keys, c.values))
+            row = max(a.shape[0] * a.shape[1] * a.shape[3] * a.dtype.size for a in (c.keys, c.values))
             del c
             need = row * max(b - a for _, a, b in pieces[j:j + per_hold])
             if len(pool) < 2 * per_hold or pool[0].nbytes < need:  # sized outside the hold
@@ -206,13 +199,13 @@ class Snapshotter:
                         raise CheckpointError(f"layer {i} cache holds {c.offset} tokens, history has {n}")
                     sides = []
                     for buf, arr in zip(pool[2 * len(out):], (c.keys, c.values)):
-                        u = np.uint32 if arr.dtype == mx.float32 else np.uint16
+                        u, name = _np_kind(arr.dtype)
                         # a view of MLX's buffer, dropped within the hold: kept, it would
                         # stop the next step updating the cache in place
                         src = np.array(arr, copy=False)[..., a:b, :].view(u)
                         dst = buf[:src.nbytes].view(u).reshape(src.shape)
                         np.copyto(dst, src)
-                        sides.append((dst, "float32" if u is np.uint32 else "float16"))
+                        sides.append((dst, name))
                         del src
                     del c, arr
                     out.append((i, a, b, sides[0], sides[1], None))

@@ -132,10 +132,16 @@ class ModelHost:
         except KeyError:
             raise UnknownSessionError(f"unknown session '{session_id}'") from None
 
-    def close_session(self, session_id: str) -> None:
+    def detach(self, session_id: str) -> Session:
+        """Stop listing a session; it stays usable until closed (a migration frees
+        the source's copy only after the target's first token)."""
         with self.lock:
-            self.get(session_id).close()
+            s = self.get(session_id)
             del self.sessions[session_id]
+            return s
+
+    def close_session(self, session_id: str) -> None:
+        self.detach(session_id).close()
 
     def memory(self) -> dict[str, Any]:
         import mlx.core as mx

@@ -398,8 +398,7 @@ class HostServer:
                 self.slots.pop(sid, None)
                 self.feeds.pop(sid, None)
             t.pause_ms = (time.perf_counter() - t_pause) * 1000
-            with self.host.lock:
-                self.host.sessions.pop(sid, None)  # listed on the target only from now on
+            self.host.detach(sid)  # listed on the target only from now on
             self.unpause(slot, pause)  # the client's stream moves on to the target right away
             pause = None
             link.wait_running(RUNNING_WAIT)  # off the critical path: after the target's first token
@@ -810,6 +809,7 @@ class _Migration(pbg.MigrationServicer):
                         srv.incoming.pop(mid, None)
                         srv.moved.pop(inc.session_id, None)
                         srv.committed[mid] = time.monotonic()
+                        feed = None
                         if inc.prepared.turn is not None:  # it moved mid-reply: generate on now
                             slot = srv.slots.setdefault(inc.session_id, Slot())
                             slot.lock.acquire()
@@ -819,7 +819,7 @@ class _Migration(pbg.MigrationServicer):
                     yield pb.MigrationAck(state="committed", next_seq=inc.next_seq, session_id=inc.session_id)
                     # Bookkeeping waits for the landed turn's first token: on a shared
                     # machine it would slow the step the client is waiting for.
-                    if (feed := srv.feeds.get(inc.session_id)) is not None:
+                    if feed is not None:
                         feed.wait_started(RUNNING_WAIT)
                     srv._dir("register_session", inc.session_id, srv.address)
                     yield pb.MigrationAck(state="running", next_seq=inc.next_seq, session_id=inc.session_id)

@@ -275,7 +275,9 @@ def cmd_bench_fuzz(a) -> int:
 def cmd_bench_migrate(a) -> int:
     from runtime.bench.migrate import plot, run
 
-    r = run(tuple(a.contexts), a.generate, threads=a.threads or None, pin=a.pin,
+    if a.reps < 1:
+        raise KvferryError(f"--reps must be at least 1, not {a.reps}")
+    r = run(tuple(a.contexts), a.generate, threads=a.threads or None, pin=a.pin, reps=a.reps,
             progress=(lambda m: print(m, file=sys.stderr)))
     if a.plot:
         plot(r, a.plot)
@@ -587,6 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--pin", action="store_true",
                     help="each host on its own half of the CPUs (serve --cpus), as on two machines "
                          "(default: both share every CPU)")
+    bm.add_argument("--reps", type=int, default=5,
+                    help="migrations per context and mode; each row is the median one, every rep listed")
     bm.add_argument("--plot", help="write a PNG figure (needs matplotlib)")
     bm.add_argument("--json", action="store_true")
     bz = add(b, "zero-copy", cmd_bench_zero_copy,

@@ -77,3 +77,43 @@ def test_serve_cpus_is_checked_before_anything_starts():
                      ("1-0", "this machine offers CPUs")):
         r = kvferry("serve", "--cpus", bad, "--port", "0", env={"KVFERRY_TOKEN": "t"}, timeout=60)
         assert r.returncode != 0 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def _rep(downtime, identical=True, **kw):
+    return {"context": 512, "mode": "live", "downtime_ms": downtime, "handoff_gap_ms": 80.0,
+            "normal_gap_ms": 70.0, "twin_worst_gap_over_median_ms": 20.0, "total_ms": 900.0,
+            "pause_ms": 9.0, "bytes": 1000, "migration_started_at": 8, "handoff_at": 20,
+            "gaps_ms": [70, 71], "identical": identical, "mid_reply": True, **kw}
+
+
+def test_bench_migrate_row_is_the_median_rep():
+    from runtime.bench.migrate import _targets, aggregate
+
+    row = aggregate([_rep(40.0, tag="a"), _rep(12.0, tag="b"), _rep(90.0, tag="c")])
+    assert row["downtime_ms"] == 40.0 and row["tag"] == "a"  # the median migration, whole
+    assert row["downtime_ms_reps"] == [40.0, 12.0, 90.0] and row["downtime_ms_worst_rep"] == 90.0
+    assert row["reps"] == 3 and row["identical"]
+    assert aggregate([_rep(30.0), _rep(10.0)])["downtime_ms"] == 10.0  # even count: the lower median
+    assert not aggregate([_rep(1.0), _rep(2.0, identical=False), _rep(3.0)])["identical"]  # one bad rep fails all
+    big = aggregate([_rep(30.0, context=8000), _rep(45.0, context=8000), _rep(70.0, context=8000)])
+    t = _targets([row, big])
+    assert t["live_downtime_max_ms"] == 45.0 and t["live_downtime_worst_rep_ms"] == 90.0
+    assert t["live_downtime_ratio_largest_vs_smallest"] == round(45.0 / 40.0, 2)
+
+
+def test_bench_migrate_rejects_zero_reps():
+    r = kvferry("bench", "migrate", "--reps", "0", timeout=120)
+    assert r.returncode != 0
+    assert r.stderr.strip() == "kvferry: --reps must be at least 1, not 0"
+
+
+def test_bench_migrate_runs(smollm_dir):
+    r = kvferry("bench", "migrate", "--json", "--contexts", "64", "--generate", "64", "--reps", "2",
+                timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert [(row["mode"], row["reps"]) for row in out["rows"]] == [("live", 2), ("stop-copy", 2)]
+    for row in out["rows"]:
+        assert row["identical"] and row["mid_reply"] and len(row["downtime_ms_reps"]) == 2
+        assert row["downtime_ms"] in row["downtime_ms_reps"] and row["bytes"] > 0
+    assert out["targets"]["identical_everywhere"]

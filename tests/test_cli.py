@@ -81,8 +81,8 @@ def test_serve_cpus_is_checked_before_anything_starts():
 
 def _rep(downtime, identical=True, **kw):
     return {"context": 512, "mode": "live", "downtime_ms": downtime, "handoff_gap_ms": 80.0,
-            "handoff_over_normal_ms": 10.0, "normal_gap_ms": 70.0, "twin_worst_gap_over_median_ms": 20.0, "total_ms": 900.0,
-            "pause_ms": 9.0, "bytes": 1000, "migration_started_at": 8, "handoff_at": 20,
+            "handoff_over_normal_ms": 10.0, "normal_gap_ms": 70.0, "twin_worst_gap_over_median_ms": 20.0,
+            "total_ms": 900.0, "pause_ms": 9.0, "bytes": 1000, "migration_started_at": 8, "handoff_at": 20,
             "gaps_ms": [70, 71], "identical": identical, "mid_reply": True, **kw}
 
 

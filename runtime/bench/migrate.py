@@ -276,7 +276,8 @@ def plot(result: dict, path: str | Path) -> None:
         # whiskers: the best and worst of the reps (a row is the median one)
         lo = [y - min(r.get("downtime_ms_reps", [y])) for y, r in zip(ys, rs)]
         hi = [max(r.get("downtime_ms_reps", [y])) - y for y, r in zip(ys, rs)]
-        ax.errorbar(ctxs, ys, yerr=[lo, hi], fmt=style, capsize=3, label=f"{mode} (downtime, median of reps)")
+        ax.errorbar(ctxs, ys, yerr=[lo, hi], fmt=style, capsize=3,
+                    label=f"{mode} (median downtime; bars: best-worst rep)")
     rp = [next(r["reprefill_ms"] for r in rows if r["context"] == c) for c in ctxs]
     ax.plot(ctxs, rp, "^--", label="re-prefill on the target")
     ax.set_xscale("log", base=2)

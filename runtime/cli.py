@@ -248,7 +248,9 @@ def cmd_bench_overhead(a) -> int:
 def cmd_bench_checkpoint(a) -> int:
     from runtime.bench.checkpoint import run
 
-    r = run(a.model, tuple(a.contexts))
+    if a.windows < 1:
+        raise KvferryError(f"--windows must be at least 1, not {a.windows}")
+    r = run(a.model, tuple(a.contexts), windows=a.windows)
     if a.json:
         _print_json(r)
     else:
@@ -256,7 +258,8 @@ def cmd_bench_checkpoint(a) -> int:
             for mode in ("lossless", "int8", "int4"):
                 m = row[mode]
                 print(f"ctx {ctx:>5} {mode:8} ratio {m['ratio']:6} (own dtype {m['ratio_own_dtype']}) "
-                      f"enc {m['encode_mb_s']} MB/s dec {m['decode_mb_s']} MB/s top1 {m['top1_agreement']}"
+                      f"enc {m['encode_mb_s']} MB/s dec {m['decode_mb_s']} MB/s top1 {m['top1_agreement']} "
+                      f"(min {m['top1_agreement_min']})"
                       + (f" bit_exact {m['bit_exact']} bf16 ratio {m['lossless_bf16_ratio']}"
                          if mode == "lossless" else ""))
     return 0
@@ -575,6 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     bk = add(b, "checkpoint", cmd_bench_checkpoint, "KV codecs: ratio, speed, top-1 agreement")
     bk.add_argument("--model")
     bk.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    bk.add_argument("--windows", type=int, default=8,
+                    help="text windows per context for top-1 agreement (mean and min reported)")
     bk.add_argument("--json", action="store_true")
     bf = add(b, "fuzz", cmd_bench_fuzz, "mutate a real checkpoint N times; every case must fail cleanly")
     bf.add_argument("--cases", type=int, default=10000)

@@ -135,7 +135,7 @@ def test_codecs_roundtrip_and_ratios():
         b = codecs.encode(u, dtype, "lossless")
         assert np.array_equal(codecs.decode(b, "t"), u)
         for mode, bits in (("int8", 8), ("int4", 4)):  # hostile quantized blobs: one line each
-            q = codecs.encode(u, dtype, mode)
+            q = codecs.encode(u, dtype, mode)  # values; int4 keys: test_int4_keys_keep_outlier_channels
             assert q["codec"] == f"sq{bits}"
             for bad in ({"meta": {**q["meta"], "base": 10 ** 6}}, {"meta": {**q["meta"], "group": 7}},
                         {"meta": {**q["meta"], "group": "x"}}, {"parts": [q["parts"][0][:20], *q["parts"][1:]]},
@@ -155,6 +155,36 @@ def test_codecs_roundtrip_and_ratios():
             back = q.view(np.float32) if dtype == "float32" else q.view(np.float16).astype(np.float32)
             err = np.abs(back - x).max(axis=-1) / (np.abs(x).max(axis=-1) + 1e-6)
             assert err.max() < tol, (dtype, mode, err.max())
+
+
+def test_int4_keys_keep_outlier_channels():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 2, 300, 64)).astype(np.float32)
+    big = [[3, 17, 40, 41], [0, 5, 6, 63]]  # per head: channels 20x the others, as in real keys
+    for h, chans in enumerate(big):
+        x[0, h, :, chans] *= 20
+    u = x.view(np.uint32)
+    q = codecs.encode(u, "float32", "int4", "keys")
+    k = q["meta"]["k"]
+    assert q["codec"] == "so4" and k == codecs.OUTLIERS
+    back = codecs.decode(q, "t").view(np.float32)
+    plain = codecs.decode(codecs.encode_symmetric(u, "float32", 4), "t").view(np.float32)
+    rest = np.ones(64, bool)
+    rest[big[0]] = False
+    err = lambda y: float(np.abs(y - x)[0, 0][:, rest].mean())  # noqa: E731
+    assert err(back) < err(plain) / 3  # the ordinary channels no longer round to a few levels
+    assert np.abs(back - x)[0, 0][:, big[0]].max() < np.abs(x[0, 0][:, big[0]]).max() / 100  # 8-bit outliers
+    assert codecs.encode(u, "float32", "int4", "values")["codec"] == "sq4"
+    for bad in ({"meta": {**q["meta"], "k": 64}}, {"meta": {**q["meta"], "k": "4"}},
+                {"meta": {**q["meta"], "base_outliers": -10 ** 6}},
+                {"parts": [*q["parts"][:4], codecs._z(bytes([5, 3] + list(range(10, 10 + 2 * k - 2))))]},  # unordered
+                {"parts": [*q["parts"][:4], codecs._z(bytes(list(range(64 - 2 * k + 1, 65))))]},  # past the head dim
+                {"parts": [q["parts"][0][:10], *q["parts"][1:]]}, {"parts": q["parts"][:3]}):
+        with pytest.raises(CheckpointError, match="^t: "):
+            codecs.decode({**q, **bad}, "t")
+    wide = np.full(2 * 300 * (64 - codecs.OUTLIERS), 9, np.int8).view(np.uint8).tobytes()
+    with pytest.raises(CheckpointError, match="codes out of range"):
+        codecs.decode({**q, "parts": [codecs._z(wide), *q["parts"][1:]]}, "t")
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -370,7 +370,7 @@ def _decode_outliers(b: dict, nbytes: int, where: str) -> np.ndarray:
             or idx.size != bh * k:
         raise CheckpointError(f"{where}: quantized payload sizes do not match the shape")
     idx = idx.reshape(bh, k)
-    if k > 1 and not (np.diff(idx, axis=1) > 0).all() or (idx.size and idx.max() >= d):
+    if (k > 1 and not (np.diff(idx, axis=1) > 0).all()) or (idx.size and idx.max() >= d):
         raise CheckpointError(f"{where}: outlier channel indices are not increasing channels below {d}")
     levels = (1 << (bits - 1)) - 1
     if qr.size and np.abs(qr.astype(np.int16)).max() > levels:

@@ -52,9 +52,10 @@ def _decode_all(blobs: list[dict]) -> tuple[list[np.ndarray], float]:
 
 
 def _window(lm, prompt: list[int]):
-    """Prefill ``prompt``; return its KV as raw float32 bits (keys then values),
-    the reference continuation fed back in, and ``agree(arrs)``: the fraction of
-    those positions whose argmax with KV ``arrs`` equals the original's."""
+    """Prefill ``prompt`` and let the model continue it greedily (the reference).
+    Returns its KV as raw float32 bits (keys then values), the KV dtype's name,
+    and ``agree(arrs)``: the fraction of the reference's positions, fed back in
+    after KV ``arrs``, whose argmax equals the one after the original KV."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 

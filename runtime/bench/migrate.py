@@ -231,8 +231,7 @@ def aggregate(runs: list[dict]) -> dict:
     """One row from the reps of a (context, mode): the median rep by ``downtime_ms``
     (the lower median for an even count, so the row is one real migration), with
     every rep's figures in ``*_reps``; ``identical``/``mid_reply`` must hold in all."""
-    order = sorted(range(len(runs)), key=lambda i: runs[i]["downtime_ms"])
-    row = dict(runs[order[(len(runs) - 1) // 2]])
+    row = dict(sorted(runs, key=lambda r: r["downtime_ms"])[(len(runs) - 1) // 2])
     row["reps"] = len(runs)
     for k in PER_REP:
         row[f"{k}_reps"] = [r[k] for r in runs]
@@ -248,8 +247,8 @@ def _targets(rows: list[dict]) -> dict:
     out = {"identical_everywhere": all(r["identical"] for r in rows),
            "mid_reply_everywhere": all(r["mid_reply"] for r in rows),
            "live_downtime_max_ms": max((r["downtime_ms"] for r in live.values()), default=None),
-           "live_downtime_worst_rep_ms": max((r.get("downtime_ms_worst_rep", r["downtime_ms"])
-                                              for r in live.values()), default=None)}
+           "live_downtime_worst_rep_ms": max((r["downtime_ms_worst_rep"] for r in live.values()),
+                                             default=None)}
     if live:
         lo, hi = min(live), max(live)
         out["live_downtime_ratio_largest_vs_smallest"] = round(
@@ -274,8 +273,8 @@ def plot(result: dict, path: str | Path) -> None:
         rs = [next(r for r in rows if r["context"] == c and r["mode"] == mode) for c in ctxs]
         ys = [r["downtime_ms"] for r in rs]
         # whiskers: the best and worst of the reps (a row is the median one)
-        lo = [y - min(r.get("downtime_ms_reps", [y])) for y, r in zip(ys, rs)]
-        hi = [max(r.get("downtime_ms_reps", [y])) - y for y, r in zip(ys, rs)]
+        lo = [y - min(r["downtime_ms_reps"]) for y, r in zip(ys, rs)]
+        hi = [max(r["downtime_ms_reps"]) - y for y, r in zip(ys, rs)]
         ax.errorbar(ctxs, ys, yerr=[lo, hi], fmt=style, capsize=3,
                     label=f"{mode} (median downtime; bars: best-worst rep)")
     rp = [next(r["reprefill_ms"] for r in rows if r["context"] == c) for c in ctxs]

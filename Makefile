@@ -24,10 +24,15 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 guests: $(STAMP)
-	$(BIN)/python -m actor_guests.build
+	$(BIN)/python -m pip install --quiet -e '.[guests]'
+	$(BIN)/python -m kvferry.guests.build
 
+# The stubs must import as kvferry.proto.*: generate them under a kvferry/proto/ include root.
 proto: $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. proto/kvferry.proto
+	$(BIN)/python -m pip install --quiet -e '.[proto]'
+	rm -rf build/proto && mkdir -p build/proto/kvferry/proto && cp proto/kvferry.proto build/proto/kvferry/proto/
+	$(BIN)/python -m grpc_tools.protoc -Ibuild/proto --python_out=build/proto --grpc_python_out=build/proto build/proto/kvferry/proto/kvferry.proto
+	cp build/proto/kvferry/proto/kvferry_pb2.py build/proto/kvferry/proto/kvferry_pb2_grpc.py proto/
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -42,14 +42,14 @@ def conditional(x: np.ndarray, given: np.ndarray) -> float:
 
 
 def kv(tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    from runtime import blas
+    from kvferry import blas
 
     blas.enable()
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from runtime.bench.checkpoint import _text
-    from runtime.models import load
+    from kvferry.bench.checkpoint import _text
+    from kvferry.models import load
 
     lm = load(None, progress=False)
     ids = lm.tokenizer.encode(_text(), add_special_tokens=False)[:tokens]

@@ -1,11 +1,5 @@
-"""Checkpoint errors: one line naming the frame and the problem."""
+"""Checkpoint errors (defined with every other kvferry error in :mod:`kvferry.errors`)."""
 
-from runtime.errors import KvferryError
+from ..errors import CheckpointError, CheckpointModelError, OutOfMemoryError
 
-
-class CheckpointError(KvferryError):
-    """A checkpoint is corrupt, truncated, hostile or does not fit this host."""
-
-
-class OutOfMemoryError(CheckpointError):
-    """The session's KV does not fit the memory this host may use."""
+__all__ = ["CheckpointError", "CheckpointModelError", "OutOfMemoryError"]

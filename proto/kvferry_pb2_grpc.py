@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import kvferry_pb2 as proto_dot_kvferry__pb2
+from kvferry.proto import kvferry_pb2 as kvferry_dot_proto_dot_kvferry__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/kvferry_pb2_grpc.py depends on'
+        + ' but the generated code in kvferry/proto/kvferry_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,48 +36,48 @@ class SessionsStub:
         """
         self.Health = channel.unary_unary(
                 '/kvferry.v1.Sessions/Health',
-                request_serializer=proto_dot_kvferry__pb2.Empty.SerializeToString,
-                response_deserializer=proto_dot_kvferry__pb2.HealthReply.FromString,
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.Empty.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.HealthReply.FromString,
                 _registered_method=True)
         self.CreateSession = channel.unary_unary(
                 '/kvferry.v1.Sessions/CreateSession',
-                request_serializer=proto_dot_kvferry__pb2.CreateRequest.SerializeToString,
-                response_deserializer=proto_dot_kvferry__pb2.SessionInfo.FromString,
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.CreateRequest.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.SessionInfo.FromString,
                 _registered_method=True)
         self.Send = channel.unary_stream(
                 '/kvferry.v1.Sessions/Send',
-                request_serializer=proto_dot_kvferry__pb2.SendRequest.SerializeToString,
-                response_deserializer=proto_dot_kvferry__pb2.TokenChunk.FromString,
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.SendRequest.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.TokenChunk.FromString,
                 _registered_method=True)
         self.Snapshot = channel.unary_stream(
                 '/kvferry.v1.Sessions/Snapshot',
-                request_serializer=proto_dot_kvferry__pb2.SnapshotRequest.SerializeToString,
-                response_deserializer=proto_dot_kvferry__pb2.CheckpointChunk.FromString,
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.CheckpointChunk.FromString,
                 _registered_method=True)
         self.Restore = channel.stream_unary(
                 '/kvferry.v1.Sessions/Restore',
-                request_serializer=proto_dot_kvferry__pb2.CheckpointChunk.SerializeToString,
-                response_deserializer=proto_dot_kvferry__pb2.SessionInfo.FromString,
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.CheckpointChunk.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.SessionInfo.FromString,
                 _registered_method=True)
         self.Migrate = channel.unary_stream(
                 '/kvferry.v1.Sessions/Migrate',
-                request_serializer=proto_dot_kvferry__pb2.MigrateRequest.SerializeToString,
-                response_deserializer=proto_dot_kvferry__pb2.MigrateProgress.FromString,
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.MigrateProgress.FromString,
                 _registered_method=True)
         self.Close = channel.unary_unary(
                 '/kvferry.v1.Sessions/Close',
-                request_serializer=proto_dot_kvferry__pb2.SessionRef.SerializeToString,
-                response_deserializer=proto_dot_kvferry__pb2.Empty.FromString,
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.SessionRef.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.Empty.FromString,
                 _registered_method=True)
         self.ListSessions = channel.unary_unary(
                 '/kvferry.v1.Sessions/ListSessions',
-                request_serializer=proto_dot_kvferry__pb2.Empty.SerializeToString,
-                response_deserializer=proto_dot_kvferry__pb2.SessionList.FromString,
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.Empty.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.SessionList.FromString,
                 _registered_method=True)
         self.ListHosts = channel.unary_unary(
                 '/kvferry.v1.Sessions/ListHosts',
-                request_serializer=proto_dot_kvferry__pb2.Empty.SerializeToString,
-                response_deserializer=proto_dot_kvferry__pb2.HostList.FromString,
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.Empty.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.HostList.FromString,
                 _registered_method=True)
 
 
@@ -143,48 +143,48 @@ def add_SessionsServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=proto_dot_kvferry__pb2.Empty.FromString,
-                    response_serializer=proto_dot_kvferry__pb2.HealthReply.SerializeToString,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.Empty.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.HealthReply.SerializeToString,
             ),
             'CreateSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateSession,
-                    request_deserializer=proto_dot_kvferry__pb2.CreateRequest.FromString,
-                    response_serializer=proto_dot_kvferry__pb2.SessionInfo.SerializeToString,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.CreateRequest.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.SessionInfo.SerializeToString,
             ),
             'Send': grpc.unary_stream_rpc_method_handler(
                     servicer.Send,
-                    request_deserializer=proto_dot_kvferry__pb2.SendRequest.FromString,
-                    response_serializer=proto_dot_kvferry__pb2.TokenChunk.SerializeToString,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.SendRequest.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.TokenChunk.SerializeToString,
             ),
             'Snapshot': grpc.unary_stream_rpc_method_handler(
                     servicer.Snapshot,
-                    request_deserializer=proto_dot_kvferry__pb2.SnapshotRequest.FromString,
-                    response_serializer=proto_dot_kvferry__pb2.CheckpointChunk.SerializeToString,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.SnapshotRequest.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.CheckpointChunk.SerializeToString,
             ),
             'Restore': grpc.stream_unary_rpc_method_handler(
                     servicer.Restore,
-                    request_deserializer=proto_dot_kvferry__pb2.CheckpointChunk.FromString,
-                    response_serializer=proto_dot_kvferry__pb2.SessionInfo.SerializeToString,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.CheckpointChunk.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.SessionInfo.SerializeToString,
             ),
             'Migrate': grpc.unary_stream_rpc_method_handler(
                     servicer.Migrate,
-                    request_deserializer=proto_dot_kvferry__pb2.MigrateRequest.FromString,
-                    response_serializer=proto_dot_kvferry__pb2.MigrateProgress.SerializeToString,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.MigrateRequest.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.MigrateProgress.SerializeToString,
             ),
             'Close': grpc.unary_unary_rpc_method_handler(
                     servicer.Close,
-                    request_deserializer=proto_dot_kvferry__pb2.SessionRef.FromString,
-                    response_serializer=proto_dot_kvferry__pb2.Empty.SerializeToString,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.SessionRef.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.Empty.SerializeToString,
             ),
             'ListSessions': grpc.unary_unary_rpc_method_handler(
                     servicer.ListSessions,
-                    request_deserializer=proto_dot_kvferry__pb2.Empty.FromString,
-                    response_serializer=proto_dot_kvferry__pb2.SessionList.SerializeToString,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.Empty.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.SessionList.SerializeToString,
             ),
             'ListHosts': grpc.unary_unary_rpc_method_handler(
                     servicer.ListHosts,
-                    request_deserializer=proto_dot_kvferry__pb2.Empty.FromString,
-                    response_serializer=proto_dot_kvferry__pb2.HostList.SerializeToString,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.Empty.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.HostList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -212,8 +212,8 @@ class Sessions:
             request,
             target,
             '/kvferry.v1.Sessions/Health',
-            proto_dot_kvferry__pb2.Empty.SerializeToString,
-            proto_dot_kvferry__pb2.HealthReply.FromString,
+            kvferry_dot_proto_dot_kvferry__pb2.Empty.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.HealthReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -239,8 +239,8 @@ class Sessions:
             request,
             target,
             '/kvferry.v1.Sessions/CreateSession',
-            proto_dot_kvferry__pb2.CreateRequest.SerializeToString,
-            proto_dot_kvferry__pb2.SessionInfo.FromString,
+            kvferry_dot_proto_dot_kvferry__pb2.CreateRequest.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.SessionInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -266,8 +266,8 @@ class Sessions:
             request,
             target,
             '/kvferry.v1.Sessions/Send',
-            proto_dot_kvferry__pb2.SendRequest.SerializeToString,
-            proto_dot_kvferry__pb2.TokenChunk.FromString,
+            kvferry_dot_proto_dot_kvferry__pb2.SendRequest.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -293,8 +293,8 @@ class Sessions:
             request,
             target,
             '/kvferry.v1.Sessions/Snapshot',
-            proto_dot_kvferry__pb2.SnapshotRequest.SerializeToString,
-            proto_dot_kvferry__pb2.CheckpointChunk.FromString,
+            kvferry_dot_proto_dot_kvferry__pb2.SnapshotRequest.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.CheckpointChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -320,8 +320,8 @@ class Sessions:
             request_iterator,
             target,
             '/kvferry.v1.Sessions/Restore',
-            proto_dot_kvferry__pb2.CheckpointChunk.SerializeToString,
-            proto_dot_kvferry__pb2.SessionInfo.FromString,
+            kvferry_dot_proto_dot_kvferry__pb2.CheckpointChunk.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.SessionInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -347,8 +347,8 @@ class Sessions:
             request,
             target,
             '/kvferry.v1.Sessions/Migrate',
-            proto_dot_kvferry__pb2.MigrateRequest.SerializeToString,
-            proto_dot_kvferry__pb2.MigrateProgress.FromString,
+            kvferry_dot_proto_dot_kvferry__pb2.MigrateRequest.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.MigrateProgress.FromString,
             options,
             channel_credentials,
             insecure,
@@ -374,8 +374,8 @@ class Sessions:
             request,
             target,
             '/kvferry.v1.Sessions/Close',
-            proto_dot_kvferry__pb2.SessionRef.SerializeToString,
-            proto_dot_kvferry__pb2.Empty.FromString,
+            kvferry_dot_proto_dot_kvferry__pb2.SessionRef.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -401,8 +401,8 @@ class Sessions:
             request,
             target,
             '/kvferry.v1.Sessions/ListSessions',
-            proto_dot_kvferry__pb2.Empty.SerializeToString,
-            proto_dot_kvferry__pb2.SessionList.FromString,
+            kvferry_dot_proto_dot_kvferry__pb2.Empty.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.SessionList.FromString,
             options,
             channel_credentials,
             insecure,
@@ -428,8 +428,8 @@ class Sessions:
             request,
             target,
             '/kvferry.v1.Sessions/ListHosts',
-            proto_dot_kvferry__pb2.Empty.SerializeToString,
-            proto_dot_kvferry__pb2.HostList.FromString,
+            kvferry_dot_proto_dot_kvferry__pb2.Empty.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.HostList.FromString,
             options,
             channel_credentials,
             insecure,
@@ -452,8 +452,8 @@ class MigrationStub:
         """
         self.Transfer = channel.stream_stream(
                 '/kvferry.v1.Migration/Transfer',
-                request_serializer=proto_dot_kvferry__pb2.MigrationMessage.SerializeToString,
-                response_deserializer=proto_dot_kvferry__pb2.MigrationAck.FromString,
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.MigrationMessage.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.MigrationAck.FromString,
                 _registered_method=True)
 
 
@@ -471,8 +471,8 @@ def add_MigrationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Transfer': grpc.stream_stream_rpc_method_handler(
                     servicer.Transfer,
-                    request_deserializer=proto_dot_kvferry__pb2.MigrationMessage.FromString,
-                    response_serializer=proto_dot_kvferry__pb2.MigrationAck.SerializeToString,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.MigrationMessage.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.MigrationAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -500,8 +500,8 @@ class Migration:
             request_iterator,
             target,
             '/kvferry.v1.Migration/Transfer',
-            proto_dot_kvferry__pb2.MigrationMessage.SerializeToString,
-            proto_dot_kvferry__pb2.MigrationAck.FromString,
+            kvferry_dot_proto_dot_kvferry__pb2.MigrationMessage.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.MigrationAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,8 +1,35 @@
-"""kvferry runtime: movable LLM conversations on MLX, driven by Wasm guests."""
+"""kvferry: LLM conversations as movable actors (Ray hosts, Wasm guests, MLX, gRPC).
 
-from . import blas as _blas
+The public face is small: ``from kvferry import Client, AsyncClient`` plus the
+error classes. Importing it loads grpcio and protobuf only; MLX, wasmtime and
+Ray load where a model is hosted (:mod:`kvferry.host`, ``kvferry serve``).
+"""
 
-# Must run before anything imports mlx: it decides which BLAS libmlx binds to.
-_blas.enable()
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import (AuthError, CheckpointError, ConfigError, GuestError, GuestTrap, HostDownError,  # noqa: F401
+                     KvferryError, MigrationError, ModelMismatchError, ModelNotFoundError, OutOfMemoryError,
+                     PromptTooLongError, RemoteError, SessionBusyError, SessionError, UnknownSessionError)
 
 __version__ = "0.1.0"
+
+_SDK = ("Client", "AsyncClient", "RemoteSession", "AsyncRemoteSession", "Migration")
+if TYPE_CHECKING:
+    from .sdk import AsyncClient, AsyncRemoteSession, Client, Migration, RemoteSession  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    # The SDK loads on first use, so `import kvferry.checkpoint` (or a Ray worker) pays nothing for gRPC.
+    if name in _SDK:
+        from . import sdk
+
+        return getattr(sdk, name)
+    raise AttributeError(f"module 'kvferry' has no attribute {name!r}")
+
+
+__all__ = [*_SDK, "__version__", "KvferryError", "RemoteError", "AuthError", "HostDownError",
+           "UnknownSessionError", "ModelMismatchError", "SessionError", "SessionBusyError", "PromptTooLongError",
+           "ConfigError", "GuestError", "GuestTrap", "CheckpointError", "OutOfMemoryError", "MigrationError",
+           "ModelNotFoundError"]

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import wasmtime as wt
 
-from .guest import GuestAbiError, GuestError
+from .errors import GuestAbiError, GuestError
 
 if TYPE_CHECKING:
-    from .guest import Guest, GuestModule
+    from .guest import Guest, GuestEngine, GuestModule
 
 ABI_VERSION = 1
 IMPORT_MODULE = "kvferry"
@@ -101,8 +101,33 @@ def check_version(guest: "Guest") -> int:
     return v
 
 
+class AbiV1:
+    """ABI v1 as the engine sees it (:class:`kvferry.guest.GuestAbi`)."""
+
+    version = ABI_VERSION
+
+    def check_module(self, gm: "GuestModule") -> None:
+        check_module(gm)
+
+    def host_functions(self, guest: "Guest") -> "HostFunctions":
+        return HostFunctions(guest)
+
+    def check_instance(self, guest: "Guest") -> None:
+        check_version(guest)
+
+
+V1 = AbiV1()
+
+
+def engine(**kw: Any) -> "GuestEngine":
+    """A guest engine speaking ABI v1 (``stack_bytes=`` as GuestEngine)."""
+    from .guest import GuestEngine
+
+    return GuestEngine(V1, **kw)
+
+
 class ModelBinding(Protocol):
-    """What a session gives a chat guest (see runtime.session)."""
+    """What a session gives a chat guest (see kvferry.session)."""
 
     def info(self) -> dict: ...
     def prefill(self, tokens: list[int]) -> None: ...

@@ -23,6 +23,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from .paths import home
+
 _SHIM_C = r"""
 /* kvferry: forward the CBLAS GEMMs libmlx.so imports to scipy-openblas. */
 typedef int I;
@@ -38,10 +40,6 @@ void cblas_cgemm(I o,I ta,I tb,I m,I n,I k,const void*al,const void*a,I lda,cons
 """
 
 _status: dict = {"kind": "unset", "path": None}
-
-
-def home() -> Path:
-    return Path(os.environ.get("KVFERRY_HOME", Path.home() / ".cache" / "kvferry"))
 
 
 def _load(path: str) -> bool:

@@ -1,7 +1,7 @@
 """Plain chat generation on a loaded model (mlx-lm's generator, no guest).
 
 This is the foundation path the demo and benchmarks use as the baseline; guest-
-driven sessions (``runtime.session``) replace it as the runtime's main path.
+driven sessions (``kvferry.session``) replace it as the runtime's main path.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@
   ``kvferry``): hosts and their health (heartbeats), the directory session id ->
   host address, placement (least loaded healthy host, or a requested one).
 - ``SessionHost``: one per machine (or accelerator). Loads the model once,
-  hosts many sessions, serves them over gRPC (:class:`runtime.server.HostServer`)
+  hosts many sessions, serves them over gRPC (:class:`kvferry.server.HostServer`)
   and reports to the controller.
+- ``DemoHost``: one model and one conversation streamed back with Ray's
+  streaming generators (``kvferry demo``).
 
 ``serve`` runs one host on this node: with an embedded Ray (the default) or on
 an existing cluster (``--address`` / ``$RAY_ADDRESS``).
@@ -14,16 +16,16 @@ an existing cluster (``--address`` / ``$RAY_ADDRESS``).
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import ray
 
 from . import blas
+from .paths import ensure_token  # noqa: F401  (re-exported: `kvferry serve` and jobs use it)
 
 NAMESPACE = "kvferry"
 CONTROLLER = "kvferry-controller"
@@ -88,10 +90,9 @@ class SessionHost:
     def __init__(self, model: str | None, bind: str, token: str | None, allow_no_auth: bool = False,
                  tls: dict | None = None, client_tls: dict | None = None, dtype: str = "auto",
                  max_kv_bytes: int | None = None) -> None:
-        import runtime  # noqa: F401  (optimized BLAS before MLX)
-        from .host import ModelHost
-        from .ray_host import warmup
-        from .server import HostServer, TLSConfig
+        from .host import ModelHost, warmup
+        from .server import HostServer
+        from .transport import TLSConfig
 
         self.host = ModelHost(model, dtype=dtype, progress=False, max_kv_bytes=max_kv_bytes)
         warmup(self.host.lm)
@@ -129,6 +130,34 @@ class SessionHost:
         self.srv.stop(0.5)
 
 
+@ray.remote(num_cpus=1)
+class DemoHost:
+    """A model in an actor holding one conversation (``kvferry demo``)."""
+
+    def __init__(self, model: str | None, dtype: str = "auto"):
+        from .host import ModelHost, warmup
+
+        self.host = ModelHost(model, dtype=dtype, progress=False)
+        self.lm = self.host.lm
+        warmup(self.lm)
+
+    def info(self) -> dict:
+        return {"model": self.lm.name, "dtype": self.lm.dtype, "blas": blas.status()["kind"], "pid": os.getpid()}
+
+    def chat(self, text: str, max_tokens: int = 128, temp: float = 0.0, seed: int = 0) -> Iterator[dict]:
+        """One user turn of the actor's conversation, driven by the chat guest."""
+        from .params import SamplingParams
+
+        if not hasattr(self, "session"):
+            self.session = self.host.create_session(
+                sampling=SamplingParams(temperature=temp, seed=seed, max_tokens=max_tokens))
+        for ev in self.session.send(text):
+            st = self.session.last
+            yield {"text": ev.text, "token": ev.token, "finish_reason": ev.finish_reason,
+                   "generation_tps": st.generation_tps if ev.finish_reason else 0.0,
+                   "generation_tokens": st.generation_tokens if ev.finish_reason else ev.index + 1}
+
+
 def init_ray(address: str | None = None) -> bool:
     """Connect to a cluster, or start an embedded one bound to loopback. Returns
     True when the Ray instance is ours (embedded)."""
@@ -143,24 +172,6 @@ def init_ray(address: str | None = None) -> bool:
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, namespace=NAMESPACE,
              runtime_env=env, log_to_driver=False, configure_logging=False)
     return True
-
-
-def ensure_token(token: str | None, no_auth: bool) -> str | None:
-    """The token to serve with: given, ``$KVFERRY_TOKEN``, or one generated once and
-    kept in ``$KVFERRY_HOME/token`` (mode 0600) so local clients find it."""
-    if no_auth:
-        return None
-    if token or (token := os.environ.get("KVFERRY_TOKEN")):
-        return token
-    p = blas.home() / "token"
-    if p.exists():
-        return p.read_text().strip()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tok = secrets.token_urlsafe(32)
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(tok + "\n")
-    return tok
 
 
 def start_host(model: str | None, bind: str, token: str | None, *, allow_no_auth: bool = False,

@@ -21,35 +21,49 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import itertools
 import math
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import wasmtime as wt
 from wasmtime import _bindings as _B
 
-from .errors import KvferryError
+from .arena import Arena, ArenaCreator
+from .errors import GuestAbiError, GuestError, GuestTrap
 
 TICK_S = 0.005  # epoch tick: deadline resolution
 WASM_PAGE = 65536
 
 
-class GuestError(KvferryError):
-    """A guest module cannot be loaded or does not fit the ABI."""
+class HostImports(Protocol):
+    """The host functions one guest imports (an ABI's, bound to that guest)."""
+
+    def define(self, linker: wt.Linker) -> None: ...
 
 
-class GuestTrap(KvferryError):
-    """A running guest trapped or hit a limit. The guest is unusable afterwards."""
+class GuestAbi(Protocol):
+    """What the engine needs of an ABI (kvferry.abi.V1 is the one we ship): it
+    checks modules and instances and supplies their imports; the engine itself
+    knows no ABI."""
+
+    def check_module(self, gm: "GuestModule") -> None: ...
+    def host_functions(self, guest: "Guest") -> HostImports: ...
+    def check_instance(self, guest: "Guest") -> None: ...
 
 
-class GuestAbiError(Exception):
-    """Raised inside a host function when the guest passed a bad argument."""
+@dataclass
+class MemoryImage:
+    """A guest's memory between two calls: its size, the pages that are not all
+    zero (by index) with their bytes, and its exported mutable globals."""
+    size: int
+    pages: np.ndarray  # uint32 page indices, strictly increasing
+    data: bytes  # len(pages) * WASM_PAGE bytes
+    globals: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,89 +72,16 @@ class GuestLimits:
     deadline_ms: float = 5000.0  # guest time per export call
 
 
-# ----------------------------------------------------------------------------- arenas
-
-class Arena:
-    """One guest's linear memory: an MLX uint8 array that never moves."""
-
-    def __init__(self, cap: int, minimum: int, owner: str):
-        import mlx.core as mx
-
-        self.array = mx.zeros((cap,), dtype=mx.uint8)
-        mx.eval(self.array)
-        self.np = np.array(self.array, copy=False)  # same bytes, for small host reads/writes
-        self.ptr = int(self.np.ctypes.data)
-        self.cap = cap
-        self.size = minimum
-        self.owner = owner
-        self.refused_grow: int | None = None
-
-
-class _ArenaCreator:
-    """Engine-wide wasmtime memory creator routing each new memory to an Arena."""
-
-    def __init__(self) -> None:
-        self.arenas: dict[int, Arena] = {}
-        self.pending: tuple[str, int] | None = None  # (guest name, cap) being instantiated
-        self.error: str | None = None
-        self._ids = itertools.count(1)
-        self._new = _B.wasmtime_new_memory_callback_t(self._new_memory)
-        self._get = _B.wasmtime_memory_get_callback_t(self._get_memory)
-        self._grow = _B.wasmtime_memory_grow_callback_t(self._grow_memory)
-        self._fin = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self._finalize)
-        self._noop = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda env: None)
-        self.struct = _B.wasmtime_memory_creator(None, self._new, self._noop)
-
-    @staticmethod
-    def _err(msg: str) -> int:
-        e = _B.wasmtime_error_new(msg.encode())
-        return ctypes.cast(e, ctypes.c_void_p).value or 0
-
-    def _new_memory(self, env, ty, minimum, maximum, reserved, guard, ret) -> int:
-        try:
-            if self.pending is None:
-                return self._err("kvferry: memory created outside a guest instantiation")
-            owner, cap = self.pending
-            size = min(cap, maximum)
-            if minimum > size:
-                self.error = (f"guest '{owner}' needs {minimum / 2**20:.1f} MiB of memory at start, "
-                              f"over its cap of {cap / 2**20:.1f} MiB")
-                return self._err(self.error)
-            arena = Arena(size, minimum, owner)
-            key = next(self._ids)
-            self.arenas[key] = arena
-            ret.contents.env = key
-            ret.contents.get_memory = self._get
-            ret.contents.grow_memory = self._grow
-            ret.contents.finalizer = self._fin
-            return 0
-        except Exception as e:  # never let a Python error unwind through wasmtime
-            return self._err(f"kvferry arena allocation failed: {e}")
-
-    def _get_memory(self, env, size_ptr, max_ptr) -> int:
-        a = self.arenas[env]
-        size_ptr[0] = a.size
-        max_ptr[0] = a.cap
-        return a.ptr
-
-    def _grow_memory(self, env, new_size) -> int:
-        a = self.arenas[env]
-        if new_size > a.cap:
-            a.refused_grow = new_size
-            return self._err(f"memory cap of {a.cap} bytes reached")
-        a.size = new_size  # bytes beyond the old size are still zero: the arena starts zeroed
-        return 0
-
-    def _finalize(self, env) -> None:
-        self.arenas.pop(env, None)
-
-
 # ----------------------------------------------------------------------------- engine
 
 class GuestEngine:
     """Compiles modules and instantiates sandboxed guests. One per process is typical."""
 
-    def __init__(self, stack_bytes: int = 512 << 10) -> None:
+    def __init__(self, abi: GuestAbi | None = None, stack_bytes: int = 512 << 10) -> None:
+        from .blas import enable
+
+        enable()  # arenas are MLX arrays: the BLAS choice comes first
+        self.abi = abi
         cfg = wt.Config()
         cfg.memory_reservation = 0
         cfg.memory_guard_size = 0
@@ -148,7 +89,7 @@ class GuestEngine:
         cfg.epoch_interruption = True
         cfg.max_wasm_stack = stack_bytes
         self.stack_bytes = stack_bytes
-        self.creator = _ArenaCreator()
+        self.creator = ArenaCreator()
         # copy-on-write memory images only work for mmap memories, not host buffers
         _B.wasmtime_config_memory_init_cow_set(cfg.ptr(), False)
         _B.wasmtime_config_host_memory_creator_set(cfg.ptr(), ctypes.byref(self.creator.struct))
@@ -168,9 +109,7 @@ class GuestEngine:
         self._stop.set()
 
     def compile(self, wasm: bytes | str | Path, name: str | None = None) -> "GuestModule":
-        """Compile and ABI-check a module (cached by content hash)."""
-        from .abi import check_module
-
+        """Compile a module (cached by content hash) and check it against the ABI."""
         if isinstance(wasm, (str, Path)):
             path = Path(wasm)
             label = name or path.name
@@ -192,16 +131,16 @@ class GuestEngine:
                 raise GuestError(f"{label}: not a valid WebAssembly module ({first})") from None
             self._modules[digest] = module
         gm = GuestModule(label, module, digest, data)
-        check_module(gm)
+        if self.abi is not None:
+            self.abi.check_module(gm)
         return gm
 
     def instantiate(self, module: "GuestModule", name: str | None = None,
                     limits: GuestLimits | None = None) -> "Guest":
-        from .abi import check_version
-
         g = Guest(self, module, name or module.label, limits or GuestLimits())
         try:
-            check_version(g)
+            if self.abi is not None:
+                self.abi.check_instance(g)
         except BaseException:
             g.close()
             raise
@@ -238,15 +177,14 @@ class Guest:
     """One sandboxed guest instance: its store, its arena, its exports."""
 
     def __init__(self, engine: GuestEngine, module: GuestModule, name: str, limits: GuestLimits):
-        from .abi import HostFunctions
-
         self.engine, self.module, self.name, self.limits = engine, module, name, limits
         self.store = wt.Store(engine.engine)
         self.store.set_limits(memories=1)  # the memory cap itself is the arena (see _ArenaCreator)
         self.store.set_epoch_deadline(1 << 40)
-        self.host = HostFunctions(self)
+        self.host: HostImports | None = engine.abi.host_functions(self) if engine.abi is not None else None
         linker = wt.Linker(engine.engine)
-        self.host.define(linker)
+        if self.host is not None:
+            self.host.define(linker)
         self.dead: str | None = None
         self.model: Any = None  # a ModelBinding, attached by sessions
         self.copy_mode = False  # True: tensor calls copy guest bytes (benchmark baseline)
@@ -308,6 +246,40 @@ class Guest:
         if offset < 0 or offset + buf.size > a.size:
             raise GuestAbiError(f"write: {buf.size} bytes at {offset} outside guest memory ({a.size} bytes)")
         a.np[offset:offset + buf.size] = buf
+
+    def memory_image(self) -> MemoryImage:
+        """A copy of the memory and mutable globals (what a checkpoint keeps)."""
+        size = self.arena.size
+        pages = self.arena.np[:size].reshape(-1, WASM_PAGE)
+        used = np.flatnonzero(pages.any(axis=1)).astype(np.uint32)
+        globals_ = {e.name: self._exports[e.name].value(self.store) for e in self.module.module.exports
+                    if isinstance(e.type, wt.GlobalType) and e.type.mutable}
+        return MemoryImage(size, used, pages[used].tobytes() if used.size else b"", globals_)
+
+    def load_memory_image(self, image: MemoryImage) -> None:
+        """Make the memory and globals those of ``image`` (a fresh instance of the
+        same module); raises GuestError naming what does not fit."""
+        if image.size % WASM_PAGE or not 0 < image.size <= self.arena.cap:
+            raise GuestError(f"guest '{self.name}': memory of {image.size} bytes does not fit its cap "
+                             f"({self.arena.cap})")
+        n = image.size // WASM_PAGE
+        pages = np.asarray(image.pages, dtype=np.uint32)
+        if pages.size and (int(pages.max()) >= n or np.any(np.diff(pages.astype(np.int64)) <= 0)):
+            raise GuestError(f"guest '{self.name}': page table out of range")
+        if len(image.data) != pages.size * WASM_PAGE:
+            raise GuestError(f"guest '{self.name}': page data does not match the page table")
+        grow = (image.size - self.memory_size) // WASM_PAGE
+        if grow > 0 and self.memory.grow(self.store, grow) < 0:
+            raise GuestError(f"guest '{self.name}': cannot grow memory to {image.size} bytes")
+        self.arena.np[:self.memory_size] = 0
+        view = self.arena.np[:image.size].reshape(-1, WASM_PAGE)
+        if pages.size:
+            view[pages] = np.frombuffer(image.data, dtype=np.uint8).reshape(-1, WASM_PAGE)
+        for name, value in image.globals.items():
+            glob = self._exports[name] if name in self.module.exports else None
+            if not isinstance(glob, wt.Global):
+                raise GuestError(f"guest '{self.name}': global '{name}' not exported by the guest")
+            glob.set_value(self.store, value)
 
     # -- calls ------------------------------------------------------------------
     def has_export(self, name: str) -> bool:

@@ -10,18 +10,23 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from actor_guests import GUESTS_DIR
-
-from .errors import ConfigError
-from .guest import GuestEngine, GuestError, GuestModule
+from .abi import V1
+from .errors import ConfigError, GuestError, SessionExistsError, UnknownSessionError
+from .guest import GuestEngine, GuestModule
+from .guests import GUESTS_DIR
 from .models import LoadedModel, load
-from .session import SamplingParams, Session, SessionError, SessionOptions
+from .params import SamplingParams, SessionOptions
+from .session import Session
 
 DEFAULT_GUEST = GUESTS_DIR / "chat.wasm"
 
 
-class UnknownSessionError(SessionError):
-    pass
+def warmup(lm: LoadedModel) -> None:
+    """One tiny generation so the first user request does not pay for kernel JIT."""
+    from .chat import stream_chat
+
+    for _ in stream_chat(lm, [{"role": "user", "content": "hi"}], max_tokens=2):
+        pass
 
 
 def apply_placement(model, attn_cpu: float) -> dict:
@@ -68,7 +73,7 @@ class ModelHost:
         self.lm = lm or load(model, dtype=dtype, progress=progress)
         self.placement = apply_placement(self.lm.model, attn_cpu)
         _ = self.lm.fingerprint  # hash the model files now, not in the middle of a migration
-        self.engine = GuestEngine()
+        self.engine = GuestEngine(V1)
         self.sessions: dict[str, Session] = {}
         self._modules: dict[str, GuestModule] = {}
         self._token_bytes: dict[int, bytes] = {}
@@ -80,9 +85,7 @@ class ModelHost:
         """Compile the default guest and import the restore path now, so the first
         session or migration landing on this host does not pay for them (~15 ms)
         while a conversation is paused."""
-        import checkpoint.snapshot  # noqa: F401
-
-        from . import abi  # noqa: F401
+        from .checkpoint import restore  # noqa: F401
 
         try:
             self.guest_module(None)
@@ -121,10 +124,33 @@ class ModelHost:
                        options: SessionOptions | None = None, session_id: str | None = None) -> Session:
         with self.lock:
             if session_id in self.sessions:
-                raise SessionError(f"session {session_id} already exists on this host")
+                raise SessionExistsError(f"session {session_id} already exists on this host")
             s = Session(self, guest, sampling or SamplingParams(), options or SessionOptions(), session_id)
             self.sessions[s.id] = s
             return s
+
+    def adopt(self, session: Session) -> Session:
+        """Register a session built elsewhere (a restore, a landed migration): the
+        one place besides create_session where a session joins this host. On an id
+        already here the newcomer is closed and refused."""
+        with self.lock:
+            if session.id in self.sessions:
+                session.close()
+                raise SessionExistsError(f"session {session.id} already exists on this host")
+            self.sessions[session.id] = session
+            return session
+
+    def restore(self, chunks, **kw) -> Session:
+        """Restore (and register) a session from checkpoint bytes; see kvferry.checkpoint.restore."""
+        from .checkpoint import restore
+
+        return restore.restore(self, chunks, **kw)
+
+    def load(self, path, **kw) -> Session:
+        """Restore (and register) a session from a checkpoint file."""
+        from .checkpoint import restore
+
+        return restore.load(self, path, **kw)
 
     def get(self, session_id: str) -> Session:
         try:

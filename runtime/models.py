@@ -6,7 +6,7 @@ The default model, SmolLM2-135M-Instruct, ships as a GGUF inside the
 
 Loading picks the fastest weight dtype for the device: on a CPU, quantized and
 half-precision matmuls are slow, so weights are dequantized to float32 (GEMMs
-then run on the optimized BLAS, see :mod:`runtime.blas`); on a Metal GPU they
+then run on the optimized BLAS, see :mod:`kvferry.blas`); on a Metal GPU they
 stay as imported (4-bit weights are the bandwidth win there).
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .blas import home
+from .paths import home
 from .errors import ConfigError, ModelFormatError, ModelNotFoundError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -91,8 +91,12 @@ def resolve(model: str | os.PathLike | None = None, *, progress: bool = True) ->
             raise ModelNotFoundError(f"{p}: not a model (expected a directory or a .gguf file)")
         return import_gguf(p, store() / p.stem, progress=progress)
     if (store() / name / "config.json").exists():
-        if name in _BUNDLED:  # refresh if the package's GGUF changed (cache check is cheap)
-            return import_gguf(bundled_gguf(name), store() / name, progress=progress)
+        if name in _BUNDLED:  # refresh only if the package is here and its GGUF changed (cheap check)
+            try:
+                gguf = bundled_gguf(name)
+            except ModelNotFoundError:
+                return store() / name  # installed; its source package need not be
+            return import_gguf(gguf, store() / name, progress=progress)
         return store() / name
     if name in _BUNDLED:
         return import_gguf(bundled_gguf(name), store() / name, progress=progress)
@@ -155,6 +159,9 @@ def fingerprint(path: Path) -> str:
 def load(model: str | os.PathLike | None = None, *, dtype: str = "auto",
          progress: bool = True) -> LoadedModel:
     """Load a model for inference with the device's fastest weights."""
+    from .blas import enable
+
+    enable()  # the optimized BLAS must be in place before MLX loads
     import mlx.core as mx
     import mlx.nn as nn
     import mlx_lm

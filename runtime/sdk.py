@@ -1,17 +1,19 @@
 """The kvferry Python SDK: talk to session hosts over gRPC.
 
-    from runtime import Client
+    from kvferry import Client
     client = Client("127.0.0.1:50051", token="...")
     s = client.create_session(temperature=0.0, max_tokens=64)
     for piece in s.send("Hello!"):
         print(piece, end="")
-    s.migrate(to="10.0.0.2:50051")      # the conversation moves; keep chatting
+    s.migrate(to="127.0.0.1:50052")     # the conversation moves (live); keep chatting
     for piece in s.send("And then?"):
         ...
 
-``AsyncClient`` offers the same with ``async``/``await``. Errors are typed:
-:class:`AuthError`, :class:`UnknownSessionError`, :class:`HostDownError`,
-:class:`ModelMismatchError`, :class:`RemoteError`.
+:class:`AsyncClient` offers the same with ``async``/``await``. Errors are the
+classes of :mod:`kvferry.errors`, mapped from the code the host sent (never from
+its message text), each also a :class:`RemoteError`.
+
+Only grpcio and protobuf load here: no MLX, wasmtime, numpy or Ray.
 """
 
 from __future__ import annotations
@@ -23,66 +25,38 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import grpc
 
-from proto import kvferry_pb2 as pb
-from proto import kvferry_pb2_grpc as pbg
+from .errors import RemoteError, UnknownSessionError
+from .params import MIGRATE_DEFAULTS, OPTIONS, SAMPLING
+from .paths import default_token
+from .proto import kvferry_pb2 as pb
+from .proto import kvferry_pb2_grpc as pbg
+from .transport import TLSConfig, auth_metadata, channel, translate
 
-from .errors import KvferryError
-from .server import TLSConfig, auth_metadata, channel
-
-
-class RemoteError(KvferryError):
-    """The host refused or failed the call; the message says why."""
-
-
-class AuthError(RemoteError):
-    pass
-
-
-class UnknownSessionError(RemoteError):
-    pass
-
-
-class HostDownError(RemoteError):
-    pass
-
-
-class ModelMismatchError(RemoteError):
-    pass
-
-
-def _translate(e: grpc.RpcError, address: str) -> RemoteError:
-    code, details = e.code(), (e.details() or "")
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return AuthError(f"{address}: auth failed (missing or wrong token)")
-    if code == grpc.StatusCode.NOT_FOUND:
-        return UnknownSessionError(f"{address}: {details}")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return HostDownError(f"{address}: host down or unreachable ({code.name.lower()})")
-    if "model mismatch" in details:
-        return ModelMismatchError(f"{address}: {details}")
-    return RemoteError(f"{address}: {details or code.name.lower()}")
-
-
-def default_token() -> str | None:
-    """``$KVFERRY_TOKEN``, else the token ``kvferry serve`` wrote for this user."""
-    if tok := os.environ.get("KVFERRY_TOKEN"):
-        return tok
-    from .blas import home
-
-    p = home() / "token"
-    return p.read_text().strip() if p.exists() else None
+CHUNK = 4 << 20  # checkpoint bytes per message on Restore
 
 
 def _sampling(kw: dict) -> pb.Sampling:
-    return pb.Sampling(temperature=kw.pop("temperature", 0.0), top_p=kw.pop("top_p", 1.0),
-                       top_k=kw.pop("top_k", 0), max_tokens=kw.pop("max_tokens", 256),
-                       seed=kw.pop("seed", 0), stop=list(kw.pop("stop", ())),
-                       ignore_eos=kw.pop("ignore_eos", False))
+    d = SAMPLING
+    return pb.Sampling(temperature=kw.pop("temperature", d.temperature), top_p=kw.pop("top_p", d.top_p),
+                       top_k=kw.pop("top_k", d.top_k), max_tokens=kw.pop("max_tokens", d.max_tokens),
+                       seed=kw.pop("seed", d.seed), stop=list(kw.pop("stop", d.stop)),
+                       ignore_eos=kw.pop("ignore_eos", d.ignore_eos))
 
 
 def _options(kw: dict) -> pb.Options:
-    return pb.Options(ctx=kw.pop("ctx", None) or 0, prefill_step=kw.pop("prefill_step", 0),
-                      kv_bits=kw.pop("kv_bits", None) or 0, deadline_ms=kw.pop("deadline_ms", 0.0))
+    d = OPTIONS
+    return pb.Options(ctx=kw.pop("ctx", d.ctx) or 0, prefill_step=kw.pop("prefill_step", d.prefill_step),
+                      kv_bits=kw.pop("kv_bits", d.kv_bits) or 0,
+                      deadline_ms=kw.pop("deadline_ms", d.deadline_ms))
+
+
+def _create_request(model, guest, system, session_id, kw: dict) -> pb.CreateRequest:
+    kw = dict(kw)
+    req = pb.CreateRequest(guest_wasm=_guest_bytes(guest), sampling=_sampling(kw), options=_options(kw),
+                           model=model or "", system=system or "", session_id=session_id or "")
+    if kw:
+        raise TypeError(f"unknown session options: {', '.join(kw)}")
+    return req
 
 
 def _guest_bytes(guest: str | os.PathLike | bytes | None) -> bytes:
@@ -91,6 +65,39 @@ def _guest_bytes(guest: str | os.PathLike | bytes | None) -> bytes:
     if isinstance(guest, bytes):
         return guest
     return Path(guest).read_bytes()
+
+
+def _health(r: pb.HealthReply) -> dict:
+    return {"status": r.status, "address": r.address, "model": r.model, "sessions": r.sessions,
+            "version": r.version, "node": r.node, "fingerprint": r.fingerprint}
+
+
+def _hosts(r: pb.HostList) -> list[dict]:
+    return [{"address": h.address, "model": h.model, "sessions": h.sessions, "healthy": h.healthy,
+             "node": h.node, "last_seen": h.last_seen} for h in r.hosts]
+
+
+def _info(s: pb.SessionInfo) -> dict:
+    return {"id": s.id, "host": s.host, "tokens": s.tokens, "guest": s.guest, "kv_bytes": s.kv_bytes,
+            "arena_bytes": s.arena_bytes, "model": s.model, "in_turn": s.in_turn}
+
+
+def _find(sessions: pb.SessionList, sid: str, host: str) -> dict:
+    for s in sessions.sessions:
+        if s.id == sid:
+            return _info(s)
+    raise UnknownSessionError(f"{host}: unknown session '{sid}'")
+
+
+def _migrate_request(sid: str, to: str, to_token, mode, live, rate_mb_s) -> pb.MigrateRequest:
+    return pb.MigrateRequest(session_id=sid, target=to, target_token=to_token or "", mode=mode,
+                             live=live, rate_mb_s=rate_mb_s)
+
+
+def _file_chunks(path: str | os.PathLike) -> Iterator[pb.CheckpointChunk]:
+    with open(path, "rb") as f:
+        while data := f.read(CHUNK):
+            yield pb.CheckpointChunk(data=data)
 
 
 @dataclass
@@ -126,6 +133,14 @@ class _TurnFollower:
         self.next_index = 0
         self.moved: str | None = None
         self._mid_turn = False
+        self.last: dict = {}
+
+    @classmethod
+    def resuming(cls, session_id: str, from_index: int) -> "_TurnFollower":
+        f = cls(session_id, "", "user")
+        f.request = pb.SendRequest(session_id=session_id, continue_turn=True, from_index=from_index)
+        f.next_index = from_index
+        return f
 
     def accept(self, c: pb.TokenChunk) -> bool:
         """True if ``c`` is to be delivered; a ``moved_to`` chunk ends this stream."""
@@ -138,6 +153,10 @@ class _TurnFollower:
             if c.index < self.next_index:
                 return False  # never repeat a token
             self.next_index = c.index + 1
+        elif c.finish_reason:
+            self.last = {"finish_reason": c.finish_reason, "tokens": self.next_index,
+                         "prompt_tokens": c.stats.prompt_tokens, "generation_tps": c.stats.generation_tps,
+                         "prompt_tps": c.stats.prompt_tps}
         return True
 
     def hop(self) -> str | None:
@@ -172,16 +191,19 @@ class _Connection:
             ch = self._channels[address] = channel(address, self.tls, aio=self.AIO)
         return pbg.SessionsStub(ch)
 
+    def _meta(self, extra: list | None = None) -> list[tuple[str, str]]:
+        return auth_metadata(self.token) + (extra or [])
+
 
 class Client(_Connection):
     """A connection to one session host (any host of a cluster can list the others)."""
 
     def _call(self, name: str, request: Any, address: str | None = None, **kw) -> Any:
         try:
-            return getattr(self._stub(address), name)(request, metadata=auth_metadata(self.token),
+            return getattr(self._stub(address), name)(request, metadata=self._meta(kw.pop("metadata", None)),
                                                       timeout=kw.pop("timeout", self.timeout), **kw)
         except grpc.RpcError as e:
-            raise _translate(e, address or self.address) from None
+            raise translate(e, address or self.address) from None
 
     def close(self) -> None:
         for ch in self._channels.values():
@@ -196,13 +218,10 @@ class Client(_Connection):
 
     # -- cluster -----------------------------------------------------------------
     def health(self) -> dict:
-        r = self._call("Health", pb.Empty(), timeout=10)
-        return {"status": r.status, "address": r.address, "model": r.model, "sessions": r.sessions,
-                "version": r.version, "node": r.node, "fingerprint": r.fingerprint}
+        return _health(self._call("Health", pb.Empty(), timeout=10))
 
     def hosts(self) -> list[dict]:
-        return [{"address": h.address, "model": h.model, "sessions": h.sessions, "healthy": h.healthy,
-                 "node": h.node, "last_seen": h.last_seen} for h in self._call("ListHosts", pb.Empty()).hosts]
+        return _hosts(self._call("ListHosts", pb.Empty()))
 
     def sessions(self) -> list[dict]:
         return [_info(s) for s in self._call("ListSessions", pb.Empty()).sessions]
@@ -212,14 +231,9 @@ class Client(_Connection):
                        *, system: str | None = None, session_id: str | None = None,
                        **sampling_and_options) -> "RemoteSession":
         """``sampling_and_options``: temperature, top_p, top_k, max_tokens, seed, stop,
-        ignore_eos, ctx, prefill_step, kv_bits, deadline_ms."""
-        kw = dict(sampling_and_options)
-        req = pb.CreateRequest(guest_wasm=_guest_bytes(guest), sampling=_sampling(kw),
-                               options=_options(kw), model=model or "", system=system or "",
-                               session_id=session_id or "")
-        if kw:
-            raise TypeError(f"unknown session options: {', '.join(kw)}")
-        info = self._call("CreateSession", req)
+        ignore_eos, ctx, prefill_step, kv_bits, deadline_ms (defaults: kvferry.params)."""
+        info = self._call("CreateSession", _create_request(model, guest, system, session_id,
+                                                           sampling_and_options))
         return RemoteSession(self, info.id, info.host or self.address)
 
     def session(self, session_id: str, host: str | None = None) -> "RemoteSession":
@@ -229,22 +243,9 @@ class Client(_Connection):
                 session_id: str | None = None) -> "RemoteSession":
         """Restore a checkpoint file as a live session (``session_id``: a new id, to
         restore a copy next to the original)."""
-        def chunks():
-            with open(path, "rb") as f:
-                while data := f.read(4 << 20):
-                    yield pb.CheckpointChunk(data=data)
         extra = [("kvferry-session-id", session_id)] if session_id else []
-        try:
-            info = self._stub(host).Restore(chunks(), metadata=auth_metadata(self.token) + extra,
-                                            timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise _translate(e, host or self.address) from None
+        info = self._call("Restore", _file_chunks(path), address=host, metadata=extra)
         return RemoteSession(self, info.id, info.host or host or self.address)
-
-
-def _info(s: pb.SessionInfo) -> dict:
-    return {"id": s.id, "host": s.host, "tokens": s.tokens, "guest": s.guest, "kv_bytes": s.kv_bytes,
-            "arena_bytes": s.arena_bytes, "model": s.model, "in_turn": s.in_turn}
 
 
 class RemoteSession:
@@ -265,27 +266,20 @@ class RemoteSession:
     def resume(self, from_index: int = 0) -> Iterator[pb.TokenChunk]:
         """Re-attach to the reply in progress (after a dropped connection, or when
         the host that streamed it died after a migration): chunks from ``from_index``."""
-        f = _TurnFollower(self.id, "", "user")
-        f.request = pb.SendRequest(session_id=self.id, continue_turn=True, from_index=from_index)
-        f.next_index = from_index
-        return self._follow(f)
+        return self._follow(_TurnFollower.resuming(self.id, from_index))
 
     def _follow(self, f: _TurnFollower) -> Iterator[pb.TokenChunk]:
+        c = self.client
         for _ in range(f.HOPS):
             try:
-                for c in self.client._stub(self.host).Send(f.request, metadata=auth_metadata(self.client.token),
-                                                          timeout=self.client.timeout):
-                    if f.accept(c):
-                        if c.token < 0:
-                            self.last = {"finish_reason": c.finish_reason, "tokens": f.next_index,
-                                         "prompt_tokens": c.stats.prompt_tokens,
-                                         "generation_tps": c.stats.generation_tps,
-                                         "prompt_tps": c.stats.prompt_tps}
-                        yield c
+                for chunk in c._stub(self.host).Send(f.request, metadata=c._meta(), timeout=c.timeout):
+                    if f.accept(chunk):
+                        self.last = f.last
+                        yield chunk
                     elif f.moved:
                         break
             except grpc.RpcError as e:
-                raise _translate(e, self.host) from None
+                raise translate(e, self.host) from None
             if (host := f.hop()) is None:
                 return
             self.host = host
@@ -297,50 +291,44 @@ class RemoteSession:
             if c.text:
                 yield c.text
 
-    def migrate(self, to: str, *, to_token: str | None = None, mode: str = "raw",
-                live: bool = False, rate_mb_s: float = 0.0,
+    def migrate(self, to: str, *, to_token: str | None = None, mode: str = MIGRATE_DEFAULTS["mode"],
+                live: bool = MIGRATE_DEFAULTS["live"], rate_mb_s: float = MIGRATE_DEFAULTS["rate_mb_s"],
                 progress: Callable[[pb.MigrateProgress], None] | None = None) -> Migration:
-        """Move this session to host ``to``. ``mode``: how KV travels (``raw``:
-        uncompressed, right for LAN/loopback; ``lossless``: ~1.2x fewer bytes for
-        slow links; ``int8``/``int4``: lossy). ``live``: pre-copy while the reply
-        keeps generating, at most ``rate_mb_s`` MB/s (0: the host paces it at
-        about 3 MB per decode step of the session)."""
-        req = pb.MigrateRequest(session_id=self.id, target=to, target_token=to_token or "", mode=mode,
-                                live=live, rate_mb_s=rate_mb_s)
-        last = None
+        """Move this session to host ``to``. ``live`` (default): pre-copy while the
+        reply keeps generating, at most ``rate_mb_s`` MB/s (0: the host paces it at
+        about 3 MB per decode step); ``live=False``: stop-and-copy. ``mode``: how KV
+        travels (``raw``: uncompressed, right for LAN/loopback; ``lossless``: ~1.2x
+        fewer bytes for slow links; ``int8``/``int4``: lossy)."""
+        c, last = self.client, None
         try:
-            for p in self.client._stub(self.host).Migrate(req, metadata=auth_metadata(self.client.token),
-                                                          timeout=self.client.timeout):
+            for p in c._stub(self.host).Migrate(_migrate_request(self.id, to, to_token, mode, live, rate_mb_s),
+                                                metadata=c._meta(), timeout=c.timeout):
                 last = p
                 if progress:
                     progress(p)
         except grpc.RpcError as e:
-            raise _translate(e, self.host) from None
+            raise translate(e, self.host) from None
         m = Migration.from_progress(self.id, to, last)
         self.host = to
         return m
 
     def snapshot(self, path: str | os.PathLike, mode: str = "lossless") -> dict:
-        tmp = f"{path}.part"
-        n = 0
+        """Write a checkpoint file of this session (atomically)."""
+        c, tmp, n = self.client, f"{path}.part", 0
         try:
             with open(tmp, "wb") as f:
-                for c in self.client._stub(self.host).Snapshot(
-                        pb.SnapshotRequest(session_id=self.id, mode=mode),
-                        metadata=auth_metadata(self.client.token), timeout=self.client.timeout):
-                    f.write(c.data)
-                    n += len(c.data)
+                for chunk in c._stub(self.host).Snapshot(pb.SnapshotRequest(session_id=self.id, mode=mode),
+                                                         metadata=c._meta(), timeout=c.timeout):
+                    f.write(chunk.data)
+                    n += len(chunk.data)
         except grpc.RpcError as e:
             os.unlink(tmp)
-            raise _translate(e, self.host) from None
+            raise translate(e, self.host) from None
         os.replace(tmp, path)
         return {"path": str(path), "bytes": n}
 
     def info(self) -> dict:
-        for s in self.client._call("ListSessions", pb.Empty(), address=self.host).sessions:
-            if s.id == self.id:
-                return _info(s)
-        raise UnknownSessionError(f"{self.host}: unknown session '{self.id}'")
+        return _find(self.client._call("ListSessions", pb.Empty(), address=self.host), self.id, self.host)
 
     def close(self) -> None:
         self.client._call("Close", pb.SessionRef(session_id=self.id), address=self.host)
@@ -349,16 +337,16 @@ class RemoteSession:
 # ----------------------------------------------------------------------------- asyncio
 
 class AsyncClient(_Connection):
-    """``Client`` for asyncio programs (grpc.aio)."""
+    """:class:`Client` for asyncio programs (grpc.aio): the same methods, awaited."""
 
     AIO = True
 
-    async def _call(self, name: str, request: Any, address: str | None = None) -> Any:
+    async def _call(self, name: str, request: Any, address: str | None = None, **kw) -> Any:
         try:
-            return await getattr(self._stub(address), name)(request, metadata=auth_metadata(self.token),
-                                                            timeout=self.timeout)
+            return await getattr(self._stub(address), name)(
+                request, metadata=self._meta(kw.pop("metadata", None)), timeout=kw.pop("timeout", self.timeout))
         except grpc.RpcError as e:
-            raise _translate(e, address or self.address) from None
+            raise translate(e, address or self.address) from None
 
     async def close(self) -> None:
         for ch in self._channels.values():
@@ -372,87 +360,106 @@ class AsyncClient(_Connection):
         await self.close()
 
     async def health(self) -> dict:
-        r = await self._call("Health", pb.Empty())
-        return {"status": r.status, "address": r.address, "model": r.model, "sessions": r.sessions}
+        return _health(await self._call("Health", pb.Empty(), timeout=10))
 
     async def hosts(self) -> list[dict]:
-        r = await self._call("ListHosts", pb.Empty())
-        return [{"address": h.address, "model": h.model, "sessions": h.sessions, "healthy": h.healthy}
-                for h in r.hosts]
+        return _hosts(await self._call("ListHosts", pb.Empty()))
 
     async def sessions(self) -> list[dict]:
         return [_info(s) for s in (await self._call("ListSessions", pb.Empty())).sessions]
 
-    async def create_session(self, model: str | None = None, guest=None, *, system: str | None = None,
-                             session_id: str | None = None, **kw) -> "AsyncRemoteSession":
-        req = pb.CreateRequest(guest_wasm=_guest_bytes(guest), sampling=_sampling(kw), options=_options(kw),
-                               model=model or "", system=system or "", session_id=session_id or "")
-        if kw:
-            raise TypeError(f"unknown session options: {', '.join(kw)}")
-        info = await self._call("CreateSession", req)
+    async def create_session(self, model: str | None = None, guest: str | os.PathLike | bytes | None = None,
+                             *, system: str | None = None, session_id: str | None = None,
+                             **sampling_and_options) -> "AsyncRemoteSession":
+        info = await self._call("CreateSession", _create_request(model, guest, system, session_id,
+                                                                 sampling_and_options))
         return AsyncRemoteSession(self, info.id, info.host or self.address)
 
-    async def restore(self, path: str | os.PathLike) -> "AsyncRemoteSession":
-        data = Path(path).read_bytes()
+    def session(self, session_id: str, host: str | None = None) -> "AsyncRemoteSession":
+        return AsyncRemoteSession(self, session_id, host or self.address)
+
+    async def restore(self, path: str | os.PathLike, host: str | None = None,
+                      session_id: str | None = None) -> "AsyncRemoteSession":
+        extra = [("kvferry-session-id", session_id)] if session_id else []
 
         async def chunks():
-            for i in range(0, len(data), 4 << 20):
-                yield pb.CheckpointChunk(data=data[i:i + (4 << 20)])
-        try:
-            info = await self._stub().Restore(chunks(), metadata=auth_metadata(self.token), timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise _translate(e, self.address) from None
-        return AsyncRemoteSession(self, info.id, info.host or self.address)
+            for c in _file_chunks(path):
+                yield c
+        info = await self._call("Restore", chunks(), address=host, metadata=extra)
+        return AsyncRemoteSession(self, info.id, info.host or host or self.address)
 
 
 class AsyncRemoteSession:
+    """:class:`RemoteSession` for asyncio."""
+
     def __init__(self, client: AsyncClient, session_id: str, host: str):
         self.client, self.id, self.host = client, session_id, host
+        self.last: dict = {}
 
-    async def send(self, text: str, role: str = "user", max_tokens: int = 0) -> AsyncIterator[str]:
-        f = _TurnFollower(self.id, text, role, max_tokens)
+    def __repr__(self) -> str:
+        return f"AsyncRemoteSession({self.id!r} on {self.host})"
+
+    def events(self, text: str, role: str = "user", max_tokens: int = 0) -> AsyncIterator[pb.TokenChunk]:
+        return self._follow(_TurnFollower(self.id, text, role, max_tokens))
+
+    def resume(self, from_index: int = 0) -> AsyncIterator[pb.TokenChunk]:
+        return self._follow(_TurnFollower.resuming(self.id, from_index))
+
+    async def _follow(self, f: _TurnFollower) -> AsyncIterator[pb.TokenChunk]:
+        c = self.client
         for _ in range(f.HOPS):
             try:
-                async for c in self.client._stub(self.host).Send(f.request, metadata=auth_metadata(self.client.token),
-                                                                timeout=self.client.timeout):
-                    if f.accept(c):
-                        if c.text:
-                            yield c.text
+                async for chunk in c._stub(self.host).Send(f.request, metadata=c._meta(), timeout=c.timeout):
+                    if f.accept(chunk):
+                        self.last = f.last
+                        yield chunk
                     elif f.moved:
                         break
             except grpc.RpcError as e:
-                raise _translate(e, self.host) from None
+                raise translate(e, self.host) from None
             if (host := f.hop()) is None:
                 return
             self.host = host
         raise f.gave_up()
 
-    async def migrate(self, to: str, *, to_token: str | None = None, mode: str = "raw",
-                      live: bool = False, rate_mb_s: float = 0.0) -> Migration:
-        last = None
+    async def send(self, text: str, role: str = "user", max_tokens: int = 0) -> AsyncIterator[str]:
+        async for c in self.events(text, role, max_tokens):
+            if c.text:
+                yield c.text
+
+    async def migrate(self, to: str, *, to_token: str | None = None, mode: str = MIGRATE_DEFAULTS["mode"],
+                      live: bool = MIGRATE_DEFAULTS["live"], rate_mb_s: float = MIGRATE_DEFAULTS["rate_mb_s"],
+                      progress: Callable[[pb.MigrateProgress], None] | None = None) -> Migration:
+        c, last = self.client, None
         try:
-            async for p in self.client._stub(self.host).Migrate(
-                    pb.MigrateRequest(session_id=self.id, target=to, target_token=to_token or "", mode=mode,
-                                      live=live, rate_mb_s=rate_mb_s),
-                    metadata=auth_metadata(self.client.token), timeout=self.client.timeout):
+            async for p in c._stub(self.host).Migrate(
+                    _migrate_request(self.id, to, to_token, mode, live, rate_mb_s),
+                    metadata=c._meta(), timeout=c.timeout):
                 last = p
+                if progress:
+                    progress(p)
         except grpc.RpcError as e:
-            raise _translate(e, self.host) from None
+            raise translate(e, self.host) from None
         m = Migration.from_progress(self.id, to, last)
         self.host = to
         return m
 
     async def snapshot(self, path: str | os.PathLike, mode: str = "lossless") -> dict:
-        out = bytearray()
+        c, tmp, n = self.client, f"{path}.part", 0
         try:
-            async for c in self.client._stub(self.host).Snapshot(
-                    pb.SnapshotRequest(session_id=self.id, mode=mode),
-                    metadata=auth_metadata(self.client.token), timeout=self.client.timeout):
-                out += c.data
+            with open(tmp, "wb") as f:
+                async for chunk in c._stub(self.host).Snapshot(
+                        pb.SnapshotRequest(session_id=self.id, mode=mode), metadata=c._meta(), timeout=c.timeout):
+                    f.write(chunk.data)
+                    n += len(chunk.data)
         except grpc.RpcError as e:
-            raise _translate(e, self.host) from None
-        Path(path).write_bytes(bytes(out))
-        return {"path": str(path), "bytes": len(out)}
+            os.unlink(tmp)
+            raise translate(e, self.host) from None
+        os.replace(tmp, path)
+        return {"path": str(path), "bytes": n}
+
+    async def info(self) -> dict:
+        return _find(await self.client._call("ListSessions", pb.Empty(), address=self.host), self.id, self.host)
 
     async def close(self) -> None:
         await self.client._call("Close", pb.SessionRef(session_id=self.id), address=self.host)

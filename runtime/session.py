@@ -19,79 +19,15 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
-from .errors import ConfigError, KvferryError
+from .errors import ConfigError, PromptTooLongError, SessionError
+from .guest import GuestLimits, GuestModule, MemoryImage
+from .params import SamplingParams, SessionOptions
 
-if TYPE_CHECKING:
-    from .guest import GuestModule
-    from .host import ModelHost
-
-KV_BITS = (2, 3, 4, 5, 6, 8)
 STOP_CODES = {-1: "stop", -2: "stop", -3: "length"}
-
-
-class SessionError(KvferryError):
-    """A session cannot continue (bad guest output, context exhausted, …)."""
-
-
-class PromptTooLongError(SessionError):
-    pass
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 256
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    def validate(self) -> None:
-        if not (self.temperature >= 0):
-            raise ConfigError(f"--temp {self.temperature}: must be >= 0")
-        if not (0 < self.top_p <= 1):
-            raise ConfigError(f"--top-p {self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise ConfigError(f"--top-k {self.top_k}: must be >= 0")
-        if self.max_tokens < 1:
-            raise ConfigError(f"--max-tokens {self.max_tokens}: must be >= 1")
-        if not 0 <= self.seed < 2**64:
-            raise ConfigError(f"--seed {self.seed}: must be in 0..2^64-1")
-        if len(self.stop) > 4:
-            raise ConfigError(f"{len(self.stop)} stop strings: at most 4")
-        for s in self.stop:
-            if not 1 <= len(s.encode()) <= 64:
-                raise ConfigError(f"stop string {s!r}: must be 1..64 bytes")
-
-
-@dataclass
-class SessionOptions:
-    ctx: int | None = None  # maximum context (RotatingKVCache); None: the model's
-    prefill_step: int = 512  # prompt chunk size, like llama.cpp -b
-    kv_bits: int | None = None  # QuantizedKVCache bits
-    kv_group_size: int = 64
-    deadline_ms: float = 5000.0  # guest time per step
-    memory_cap: int = 16 << 20  # guest arena cap
-
-    def validate(self, model_context: int) -> None:
-        if self.ctx is not None and not 16 <= self.ctx <= model_context:
-            raise ConfigError(f"--ctx {self.ctx}: must be in 16..{model_context} (the model's context)")
-        if self.prefill_step < 1:
-            raise ConfigError(f"--prefill-step {self.prefill_step}: must be >= 1")
-        if self.kv_bits is not None and self.kv_bits not in KV_BITS:
-            raise ConfigError(f"--kv-bits {self.kv_bits}: choose from {', '.join(map(str, KV_BITS))}")
-        if self.kv_bits is not None and self.ctx is not None:
-            raise ConfigError("--kv-bits cannot be combined with --ctx: mlx-lm has no quantized "
-                              "rotating KV cache")
-        if self.kv_group_size not in (32, 64, 128):
-            raise ConfigError(f"kv group size {self.kv_group_size}: choose from 32, 64, 128")
-        if self.deadline_ms <= 0:
-            raise ConfigError(f"deadline {self.deadline_ms} ms: must be > 0")
 
 
 @dataclass
@@ -122,6 +58,24 @@ class TurnState:
     texts: list[str]  # the text streamed with each token
     stream: "_TextStream"
     max_tokens: int = 0  # this turn's limit (0: the session's)
+
+
+@dataclass
+class SessionState:
+    """Everything a session is between two steps (what a checkpoint carries).
+    ``caches`` are the live mlx-lm cache objects (their own ``state`` holds the
+    arrays); ``turn`` is a reply in progress, as plain data."""
+    id: str
+    sampling: SamplingParams
+    options: SessionOptions
+    context: int
+    caches: list
+    history: list[int]
+    messages: list[dict]
+    turn: dict | None
+    module: GuestModule
+    memory: MemoryImage | None = None
+    kv_epoch: int = 0
 
 
 class _TextStream:
@@ -167,13 +121,12 @@ _ids = itertools.count(1)
 
 
 class Session:
-    """One conversation. Create through :meth:`runtime.host.ModelHost.create_session`."""
+    """One conversation. Create through :meth:`kvferry.host.ModelHost.create_session`;
+    ``host`` is that ModelHost (lm, engine, guest modules, compute lock)."""
 
-    def __init__(self, host: "ModelHost", guest_path: "str | Path | GuestModule | None",
+    def __init__(self, host: Any, guest_path: "str | Path | GuestModule | None",
                  sampling: SamplingParams, options: SessionOptions, session_id: str | None = None,
                  *, configure: bool = True):
-        from .guest import GuestLimits
-
         self.host = host
         self.lm = host.lm
         self.id = session_id or uuid.uuid4().hex[:12]
@@ -189,8 +142,6 @@ class Session:
                               f"KV group size {options.kv_group_size}")
         self.vocab_size = int(self.lm.config["vocab_size"])
         self.eos = sorted(self.lm.eos_token_ids)
-        from .guest import GuestModule
-
         module = guest_path if isinstance(guest_path, GuestModule) else host.guest_module(guest_path)
         self.guest = host.engine.instantiate(
             module, f"{Path(module.label).stem}#{self.id}",
@@ -426,6 +377,34 @@ class Session:
         if turn.record:
             self.messages.append({"role": "assistant", "content": stats.text})
         yield TokenEvent(-1, tail, len(turn.tokens), finish)
+
+    # -- state -----------------------------------------------------------------
+    def state(self, memory: bool = True) -> SessionState:
+        """This session between two steps (``memory``: with a copy of the guest's)."""
+        t = self.turn
+        turn = None if t is None else {"n_prompt": t.n_prompt, "record": t.record, "tokens": list(t.tokens),
+                                       "texts": list(t.texts), "max_tokens": t.max_tokens}
+        return SessionState(self.id, self.sampling, self.options, self.context, list(self.cache),
+                            list(self.history), list(self.messages), turn, self.guest.module,
+                            self.guest.memory_image() if memory else None, self.kv_epoch)
+
+    @classmethod
+    def from_state(cls, host: Any, state: SessionState, session_id: str | None = None) -> "Session":
+        """A session on ``host`` that continues ``state`` (not registered: see
+        ModelHost.adopt). The guest gets the saved memory instead of a config call."""
+        s = cls(host, state.module, state.sampling, state.options, session_id or state.id, configure=False)
+        try:
+            if state.memory is not None:
+                s.guest.load_memory_image(state.memory)
+            s.cache = list(state.caches)
+            s.history = list(state.history)
+            s.messages = list(state.messages)
+            if state.turn is not None:
+                s.restore_turn(**state.turn)
+        except BaseException:
+            s.close()
+            raise
+        return s
 
     # -- reporting ---------------------------------------------------------------
     def memory(self) -> dict:

@@ -9,7 +9,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-import runtime  # noqa: E402,F401  (optimized BLAS before MLX)
+from kvferry import blas  # noqa: E402
+
+blas.enable()  # the optimized BLAS before anything imports MLX
 
 
 @pytest.fixture(scope="session")
@@ -23,20 +25,20 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_gguf, tmp_path_factory) -> Path:
-    from runtime.convert import import_gguf
+    from kvferry.convert import import_gguf
 
     return import_gguf(tiny_gguf, tmp_path_factory.mktemp("models") / "tiny-llama", progress=False)
 
 
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
-    from runtime.models import resolve
+    from kvferry.models import resolve
 
     return resolve(None, progress=False)
 
 
 @pytest.fixture(scope="session")
 def smollm(smollm_dir):
-    from runtime.models import load
+    from kvferry.models import load
 
     return load(smollm_dir)

@@ -7,7 +7,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from runtime import blas
+from kvferry import blas
 
 
 def test_shim_loaded_and_correct():
@@ -23,7 +23,7 @@ def test_shim_loaded_and_correct():
 
 def _sgemm_binding(env: dict) -> str:
     """What the dynamic linker bound libmlx.so's cblas_sgemm to (LD_DEBUG=bindings)."""
-    code = "import runtime, mlx.core as mx; mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))"
+    code = "from kvferry import blas; blas.enable(); import mlx.core as mx; mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, **env, "LD_DEBUG": "bindings"})
     assert out.returncode == 0, out.stderr[-2000:]

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actor_guests import GUESTS_DIR
-from checkpoint import codecs, snapshot
-from checkpoint.errors import CheckpointError
-from checkpoint.frames import HEADER, KV, Frame, FrameDecoder, FrameWriter, iter_frames
-from runtime.host import ModelHost
-from runtime.session import SamplingParams, SessionOptions
+from kvferry.guests import GUESTS_DIR
+from kvferry.checkpoint import codecs, restore, snapshot
+from kvferry.checkpoint.errors import CheckpointError
+from kvferry.checkpoint.frames import HEADER, KV, Frame, FrameDecoder, FrameWriter, iter_frames
+from kvferry.host import ModelHost
+from kvferry.session import SamplingParams, SessionOptions
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_lossless_resume_is_exact(host, sampling, options, tmp_path):
     chat_turns(a, ["hello there"])
     snapshot.save(a, tmp_path / "a.kvf")
     host.close_session(a.id)  # the original is gone: only the file remains
-    b = snapshot.load(host, tmp_path / "a.kvf")
+    b = restore.load(host, tmp_path / "a.kvf")
     assert b.id == a.id
     assert chat_turns(b, ["tell me more"]) == [twin.last.tokens]
     assert b.messages == twin.messages
@@ -81,17 +81,17 @@ def test_streamed_deltas_rebuild_the_session(host):
     assert (0, 0, n0) in kv_ranges and (0, n0, n1) in kv_ranges and (0, n1, sn.sent_tokens) in kv_ranges
     # feed the bytes in awkward pieces, as a network would
     blob = b"".join(chunks)
-    r = snapshot.Restorer(host, session_id="streamed")
+    r = restore.Restorer(host, session_id="streamed")
     dec = FrameDecoder()
     for i in range(0, len(blob), 777):
         for f in dec.feed(blob[i:i + 777]):
             r.apply(f)
     dec.close()
-    b = r.commit()
+    b = host.adopt(r.commit())
     assert chat_turns(b, ["four"]) == chat_turns(twin, ["four"])
     # a hostile batch frame is refused with one line
     for bad in (5, [], [{"batch": []}], [{}] * (len(s.cache) + 1)):
-        r = snapshot.Restorer(host, session_id="hostile")
+        r = restore.Restorer(host, session_id="hostile")
         r.apply(next(iter_frames([chunks[0]])))
         with pytest.raises(CheckpointError, match="frame 1 .*(malformed KV batch|bad layer)"):
             r.apply(Frame(1, KV, {"batch": bad}, 0))
@@ -112,16 +112,16 @@ def test_chunked_stream_appends_in_place(host):
     chat_turns(s, ["four"])
     chat_turns(twin, ["four"])
     chunks += list(sn.finish())
-    r = snapshot.Restorer(host, session_id="chunked")
+    r = restore.Restorer(host, session_id="chunked")
     for f in iter_frames(chunks):
         r.apply(f)
         if f.kind == KV and "layer" in f.body and f.body["end"] == 5:
             grown = r.caches[f.body["layer"]].keys.shape[2]
             assert grown >= n0 + 256  # reserved at the first range, not grown per 256 tokens
-    b = r.commit()
+    b = host.adopt(r.commit())
     assert chat_turns(b, ["five"]) == chat_turns(twin, ["five"])
     # a header that announces more tokens than the session's context is not believed
-    r = snapshot.Restorer(host, session_id="hostile")
+    r = restore.Restorer(host, session_id="hostile")
     head = next(iter_frames([chunks[0]])).body
     r.apply(Frame(0, HEADER, {**head, "cache": {**head["cache"], "tokens": 1 << 21}}, 0))
     r.apply(kv[0])
@@ -202,7 +202,7 @@ def good(host, tmp_path_factory):
 def restore_bytes(host, data, **kw):
     before = set(host.sessions)
     try:
-        return snapshot.restore(host, [data], **kw)
+        return restore.restore(host, [data], **kw)
     finally:
         new = set(host.sessions) - before
         for sid in new:  # tests close what they restored
@@ -247,7 +247,7 @@ def test_unknown_version(host, good):
 
 
 def test_other_model_is_refused(good, tmp_path):
-    from runtime.convert import import_gguf
+    from kvferry.convert import import_gguf
     from tinyllama import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "other.gguf", seed=99)
@@ -267,9 +267,9 @@ def test_other_guest_is_refused(host, good):
 
 def test_existing_session_is_not_duplicated(host, good):
     s = restore_bytes.__wrapped__ if hasattr(restore_bytes, "__wrapped__") else None
-    first = snapshot.restore(host, [good])
+    first = restore.restore(host, [good])
     with pytest.raises(CheckpointError, match="already exists"):
-        snapshot.restore(host, [good])
+        restore.restore(host, [good])
     assert list(host.sessions) == [first.id]
     host.close_session(first.id)
     del s
@@ -333,7 +333,7 @@ def test_fuzz_mutations(host, good, data):
 # ----------------------------------------------------------------------------- CLI on SmolLM2
 
 def kvferry(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvferry", *args], capture_output=True, text=True,
                           input=stdin, timeout=600)
 
 
@@ -372,7 +372,7 @@ def test_mid_turn_checkpoint_continues_the_turn(host, sampling, tmp_path):
     head = [next(it) for _ in range(5)]
     data = b"".join(snapshot.snapshot(a))
     host.close_session(a.id)
-    b = snapshot.restore(host, [data])
+    b = restore.restore(host, [data])
     assert b.turn is not None and b.turn.tokens == [e.token for e in head]
     rest = [e for e in b.continue_turn(from_index=3) if e.token >= 0]
     assert [e.index for e in rest][:2] == [3, 4]  # replayed what the client lacked

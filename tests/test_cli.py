@@ -12,7 +12,7 @@ import pytest
 def kvferry(*args, env=None, timeout=600):
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvferry", *args], capture_output=True,
                           text=True, env=e, timeout=timeout)
 
 
@@ -30,7 +30,7 @@ def test_models_list_shows_imported(tiny_gguf, tmp_path):
 
 def test_import_progress_bar(tiny_gguf, tmp_path):
     # tqdm writes to stderr; force it on even though this is not a TTY
-    code = ("import runtime, sys; from runtime.convert import import_gguf, _progress; "
+    code = ("import sys; from kvferry.convert import import_gguf, _progress; "
             f"import_gguf(r'{tiny_gguf}', r'{tmp_path / 'm'}', progress=True)")
     r = subprocess.run([sys.executable, "-c", code.replace("disable=not enabled", "")],
                        capture_output=True, text=True)
@@ -67,7 +67,7 @@ def test_bench_cpu_runs(smollm_dir):
 
 
 def test_serve_cpus_is_checked_before_anything_starts():
-    from runtime.cli import parse_cpus
+    from kvferry.cli import parse_cpus
 
     assert parse_cpus("0") == {0}
     have = sorted(os.sched_getaffinity(0))
@@ -87,7 +87,7 @@ def _rep(downtime, identical=True, **kw):
 
 
 def test_bench_migrate_row_is_the_median_rep():
-    from runtime.bench.migrate import _targets, aggregate
+    from kvferry.bench.migrate import _targets, aggregate
 
     row = aggregate([_rep(40.0, tag="a"), _rep(12.0, tag="b"), _rep(90.0, tag="c")])
     assert row["downtime_ms"] == 40.0 and row["tag"] == "a"  # the median migration, whole

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.llama import Model, ModelArgs
 
-from runtime.convert import import_gguf, permute_rows, unpermute_rows
-from runtime.errors import ModelFormatError
-from runtime.models import load
+from kvferry.convert import import_gguf, permute_rows, unpermute_rows
+from kvferry.errors import ModelFormatError
+from kvferry.models import load
 from tinyllama import write_tiny_gguf
 
 TOKENS = mx.array([[5, 80, 121, 40, 77, 200, 9, 33, 140, 101, 64, 3]])
@@ -113,7 +113,7 @@ def test_not_gguf(tmp_path):
 def test_cli_bad_gguf_is_one_line(tiny_gguf, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(tiny_gguf.read_bytes()[:5000])
-    r = subprocess.run([sys.executable, "-m", "runtime.cli", "models", "import-gguf", str(bad),
+    r = subprocess.run([sys.executable, "-m", "kvferry", "models", "import-gguf", str(bad),
                         "--out", str(tmp_path / "m")], capture_output=True, text=True)
     assert r.returncode == 2
     lines = [l for l in r.stderr.splitlines() if l.strip()]

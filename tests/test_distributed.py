@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.sdk import AsyncClient, AuthError, Client, ModelMismatchError, RemoteError, UnknownSessionError
+from kvferry.sdk import AsyncClient, AuthError, Client, ModelMismatchError, RemoteError, UnknownSessionError
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-123"
@@ -55,7 +55,7 @@ class Serve:
     def __init__(self, *args: str, token: str = TOKEN):
         self.port = free_port()
         env = {**os.environ, "KVFERRY_TOKEN": token}
-        self.proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--port", str(self.port),
                                       *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env, start_new_session=True)
         self.address = f"127.0.0.1:{self.port}"
@@ -299,12 +299,12 @@ def test_target_out_of_memory(two_hosts):
 
 
 def test_no_auth_only_on_loopback():
-    from runtime.errors import ConfigError
-    from runtime.server import HostServer
+    from kvferry.errors import ConfigError
+    from kvferry.server import HostServer
 
     with pytest.raises(ConfigError, match="refusing to serve without a token"):
         HostServer(None, "0.0.0.0:0", token=None, allow_no_auth=True)
-    r = subprocess.run([sys.executable, "-m", "runtime.cli", "serve", "--bind", "0.0.0.0", "--no-auth"],
+    r = subprocess.run([sys.executable, "-m", "kvferry", "serve", "--bind", "0.0.0.0", "--no-auth"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "only allowed on a loopback address" in r.stderr
 
@@ -325,8 +325,8 @@ def _certs(d: Path) -> dict:
 
 
 def test_tls_and_mutual_tls(tiny_model, tmp_path):
-    from runtime.host import ModelHost
-    from runtime.server import HostServer, TLSConfig
+    from kvferry.host import ModelHost
+    from kvferry.server import HostServer, TLSConfig
 
     c = _certs(tmp_path)
     host = ModelHost(str(tiny_model), progress=False)
@@ -350,8 +350,8 @@ def test_tls_and_mutual_tls(tiny_model, tmp_path):
 
 
 def test_message_size_limit(tiny_model):
-    from runtime.host import ModelHost
-    from runtime.server import MAX_MESSAGE, HostServer
+    from kvferry.host import ModelHost
+    from kvferry.server import MAX_MESSAGE, HostServer
 
     host = ModelHost(str(tiny_model), progress=False)
     srv = HostServer(host, "127.0.0.1:0", token=TOKEN).start()

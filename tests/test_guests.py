@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from actor_guests import GUESTS_DIR
-from runtime.guest import GuestEngine, GuestError, GuestLimits, GuestTrap
+from kvferry.guests import GUESTS_DIR
+from kvferry.guest import GuestEngine, GuestError, GuestLimits, GuestTrap
 
 # A trampoline guest: each export forwards to one host function, so tests can
 # put descriptors in guest memory from Python and call the ABI directly.
@@ -274,7 +274,7 @@ def test_malformed_wasm(engine):
 
 
 def kvferry(*args):
-    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "kvferry", *args], capture_output=True, text=True)
 
 
 def test_guest_check_cli(tmp_path):
@@ -288,7 +288,7 @@ def test_guest_check_cli(tmp_path):
 
 
 def test_committed_guests_are_reproducible(tmp_path):
-    from actor_guests.build import GUESTS, build
+    from kvferry.guests.build import GUESTS, build
 
     for name in GUESTS:
         out = build(name, tmp_path)

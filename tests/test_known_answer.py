@@ -2,7 +2,7 @@
 
 import pytest
 
-from runtime.chat import stream_chat
+from kvferry.chat import stream_chat
 
 
 @pytest.mark.parametrize("question,word", [
@@ -18,7 +18,7 @@ def test_capital(smollm, question, word):
 def test_fast_path_is_default_on_cpu(smollm):
     import mlx.core as mx
 
-    from runtime import blas
+    from kvferry import blas
 
     assert smollm.dtype == "float32"
     assert smollm.model.model.layers[0].mlp.up_proj.weight.dtype == mx.float32

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from runtime.host import ModelHost
-from runtime.sdk import Client, RemoteError
-from runtime.server import HostServer
+from kvferry.host import ModelHost
+from kvferry.sdk import Client, RemoteError
+from kvferry.server import HostServer
 
 TOKEN = "faults"
 
@@ -33,7 +33,7 @@ def conversation(srv, max_tokens=12):
 
 @pytest.mark.parametrize("live", [False, True])
 def test_corrupted_frame_leaves_the_session_on_the_source(pair, monkeypatch, live):
-    from checkpoint import snapshot
+    from kvferry.checkpoint import snapshot
 
     a, b = pair
     c, s, twin = conversation(a)
@@ -88,7 +88,7 @@ def test_dropped_connection_resumes_from_the_last_verified_frame(pair, monkeypat
     migration id and the target asks only for what it has not verified."""
     import grpc
 
-    from runtime import server
+    from kvferry import server
 
     a, b = pair
     c, s, twin = conversation(a)
@@ -115,7 +115,7 @@ def test_dropped_connection_resumes_from_the_last_verified_frame(pair, monkeypat
 def test_link_drops_after_the_target_committed(pair, monkeypatch):
     """The commit ack is lost with the link: the source reconnects, the target
     answers that this migration already committed — no second copy, no loss."""
-    from runtime import server
+    from kvferry import server
 
     a, b = pair
     c, s, twin = conversation(a)
@@ -143,7 +143,7 @@ def test_link_drops_after_the_target_committed(pair, monkeypatch):
 def test_live_precopy_in_small_chunks_mid_reply(pair, monkeypatch, mode):
     """Pre-copy in 16-token ranges of each layer, paced, while the reply keeps
     generating: the client's stream neither breaks nor repeats, and equals the twin's."""
-    from runtime import server
+    from kvferry import server
 
     monkeypatch.setattr(server, "PRECOPY_CHUNK", 1)  # -> the 16-token minimum per frame
     a, b = pair
@@ -173,7 +173,7 @@ def test_live_precopy_in_small_chunks_mid_reply(pair, monkeypatch, mode):
 def test_precopy_pace_follows_the_step_time(pair):
     """Without a rate, live pre-copy sends about PRECOPY_STEP_BYTES per decode
     step of the session (measured as it generates), within 5-80 MB/s."""
-    from runtime.server import PRECOPY_RATE, PRECOPY_STEP_BYTES, precopy_rate
+    from kvferry.server import PRECOPY_RATE, PRECOPY_STEP_BYTES, precopy_rate
 
     a, _ = pair
     c, s, twin = conversation(a)

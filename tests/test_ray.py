@@ -40,9 +40,8 @@ def test_ray_two_nodes(ray_cluster):
     """Two SessionHost actors on two Ray nodes; the controller's directory follows a migration."""
     code = f"""
 import os, ray, json
-import runtime
-from runtime import blas, cluster
-from runtime.sdk import Client
+from kvferry import blas, cluster
+from kvferry.sdk import Client
 ray.init(address="{ray_cluster['address']}", namespace=cluster.NAMESPACE, log_to_driver=False,
          runtime_env={{"env_vars": blas.worker_env()}})
 nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]

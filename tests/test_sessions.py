@@ -8,11 +8,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from actor_guests import GUESTS_DIR
-from runtime.errors import ConfigError
-from runtime.guest import GuestTrap
-from runtime.host import ModelHost, UnknownSessionError
-from runtime.session import PromptTooLongError, SamplingParams, SessionError, SessionOptions
+from kvferry.guests import GUESTS_DIR
+from kvferry.errors import ConfigError
+from kvferry.guest import GuestTrap
+from kvferry.host import ModelHost, UnknownSessionError
+from kvferry.session import PromptTooLongError, SamplingParams, SessionError, SessionOptions
 
 CHAT_WAT = """
 (module
@@ -196,7 +196,7 @@ def test_placement_is_reported(tiny_model):
 
 
 def test_not_a_chat_guest(host):
-    from runtime.guest import GuestError
+    from kvferry.guest import GuestError
 
     with pytest.raises(GuestError, match="gemm.wasm: not a chat guest"):
         host.create_session(GUESTS_DIR / "gemm.wasm")
@@ -205,7 +205,7 @@ def test_not_a_chat_guest(host):
 # ----------------------------------------------------------------------------- SmolLM2 end to end
 
 def kvferry(*args, stdin=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvferry", *args], capture_output=True, text=True,
                           input=stdin, timeout=timeout)
 
 

@@ -3,8 +3,8 @@
 import regex
 import pytest
 
-from runtime.gguf import read_header
-from runtime.models import bundled_gguf
+from kvferry.gguf import read_header
+from kvferry.models import bundled_gguf
 from tinyllama import bytes_to_unicode
 
 GPT2_RE = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.convert import permute_rows
-from runtime.gguf import write_gguf
+from kvferry.convert import permute_rows
+from kvferry.gguf import write_gguf
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
           "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

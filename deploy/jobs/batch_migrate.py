@@ -22,9 +22,8 @@ import time
 
 import ray
 
-import runtime  # noqa: F401  (optimized BLAS before MLX)
-from runtime import cluster
-from runtime.sdk import Client
+from kvferry import cluster
+from kvferry.sdk import Client
 
 QUESTIONS = [
     "What is the capital of France?", "Name three colors.", "What is 2 + 2?",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoint import codecs
+from ..checkpoint import codecs
 
 REFERENCE_TOKENS = 64
 
@@ -93,7 +93,7 @@ def _window(lm, prompt: list[int]):
 def run(model: str | None = None, contexts=(512, 2048), modes=codecs.MODES, windows: int = 8) -> dict:
     """``windows``: text windows per context for ``top1_agreement`` (their mean;
     each window in ``top1_agreement_windows``); ratios and speeds use the first."""
-    from runtime.models import load
+    from ..models import load
 
     lm = load(model, progress=False)
     ids = lm.tokenizer.encode(_text(), add_special_tokens=False)

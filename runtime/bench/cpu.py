@@ -18,12 +18,13 @@ import time
 
 
 def _worker(kind: str, model: str | None, prompt_tokens: int, decode_tokens: int) -> dict:
-    import runtime  # noqa: F401  (BLAS choice from the environment)
+    from .. import blas
+
+    blas.enable()  # the choice comes from the environment (KVFERRY_BLAS)
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from runtime import blas
-    from runtime.models import load
+    from ..models import load
 
     lm = load(model, dtype="float32" if kind == "fast" else "native", progress=False)
     text = open(__file__).read() * 4
@@ -57,7 +58,7 @@ def _worker(kind: str, model: str | None, prompt_tokens: int, decode_tokens: int
 
 
 def run(model: str | None = None, prompt_tokens: int = 512, decode_tokens: int = 32) -> dict:
-    from runtime.models import resolve
+    from ..models import resolve
 
     resolve(model)  # import once, before the timed subprocesses
     results = {}
@@ -65,7 +66,7 @@ def run(model: str | None = None, prompt_tokens: int = 512, decode_tokens: int =
         env = dict(os.environ)
         env.pop("LD_PRELOAD", None)
         env["KVFERRY_BLAS"] = "auto" if kind == "fast" else "reference"
-        cmd = [sys.executable, "-m", "runtime.bench.cpu", "--worker", kind,
+        cmd = [sys.executable, "-m", "kvferry.bench.cpu", "--worker", kind,
                "--prompt-tokens", str(prompt_tokens), "--decode-tokens", str(decode_tokens)]
         if model:
             cmd += ["--model", str(model)]

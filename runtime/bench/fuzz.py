@@ -35,16 +35,16 @@ def run(cases: int = 10000, seed: int = 0, model: str | None = None) -> dict:
     import tempfile
     from pathlib import Path
 
-    from checkpoint import snapshot
-    from checkpoint.errors import CheckpointError
-    from runtime.host import ModelHost
-    from runtime.session import SamplingParams
+    from ..checkpoint import restore, snapshot
+    from ..checkpoint.errors import CheckpointError
+    from ..host import ModelHost
+    from ..session import SamplingParams
 
     host = ModelHost(model, progress=False)
     s = host.create_session(sampling=SamplingParams(max_tokens=8))
     for _ in s.send("Hello!"):
         pass
-    from checkpoint.codecs import MODES
+    from ..checkpoint.codecs import MODES
 
     goods = []
     with tempfile.TemporaryDirectory() as d:
@@ -61,7 +61,7 @@ def run(cases: int = 10000, seed: int = 0, model: str | None = None) -> dict:
         good = rng.choice(goods)
         buf = bytes(mutate(bytearray(good), rng))
         try:
-            restored = snapshot.restore(host, [buf])
+            restored = restore.restore(host, [buf])
             if buf != good:
                 failures.append("a changed checkpoint was accepted")
             unchanged += 1

@@ -50,7 +50,7 @@ class _Host:
     def __init__(self, token: str, threads: int | None = None, cpus: str | None = None):
         self.port = _free_port()
         extra = (["--threads", str(threads)] if threads else []) + (["--cpus", cpus] if cpus else [])
-        self.proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", str(self.port), *extra],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--port", str(self.port), *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "KVFERRY_TOKEN": token}, start_new_session=True)
         self.address = f"127.0.0.1:{self.port}"
@@ -78,7 +78,7 @@ def _prompt(tokens: int, limit: int) -> str:
     """Text of about ``tokens`` tokens (never past ``limit``) for the default model."""
     from transformers import AutoTokenizer
 
-    from runtime.models import resolve
+    from ..models import resolve
 
     tok = AutoTokenizer.from_pretrained(str(resolve(None, progress=False)))
     ids = tok.encode(FILLER * (tokens // 20 + 1), add_special_tokens=False)[:min(tokens, limit)]
@@ -105,7 +105,7 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
     ``reps``: migrations per context and mode (a row is their median)."""
     if reps < 1:
         raise ValueError("reps must be at least 1")
-    from runtime.sdk import Client
+    from ..sdk import Client
 
     token = secrets.token_urlsafe(16)
     cpus = split_cpus() if pin else None
@@ -153,7 +153,7 @@ def _one(a: _Host, b: _Host, token: str, ck: Path, sid: str, live: bool, n_ctx: 
          generate: int, after: int, migrate_after: int) -> dict:
     """Generate on A, migrate to B mid-reply, read ``after`` tokens more on B
     (the session object follows the migration: ``m.host`` turns to B)."""
-    from runtime.sdk import Client
+    from ..sdk import Client
 
     ca = Client(a.address, token)
     m = ca.restore(ck, session_id=sid)

@@ -19,8 +19,8 @@ def run(model: str | None = None, tokens: int = 256, rounds: int = 3) -> dict:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from runtime.host import ModelHost
-    from runtime.session import SamplingParams
+    from ..host import ModelHost
+    from ..session import SamplingParams
 
     host = ModelHost(model, progress=False)
     lm = host.lm

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from actor_guests import GUESTS_DIR
+from ..guests import GUESTS_DIR
 
 REGION = 16 << 20
 
@@ -30,7 +30,7 @@ def rss_bytes() -> int:
 def run(n: int = 128, reps: int = 100) -> dict:
     import mlx.core as mx
 
-    from runtime.guest import GuestEngine, GuestLimits
+    from ..guest import GuestEngine, GuestLimits
 
     engine = GuestEngine()
     guest = engine.instantiate(engine.compile(GUESTS_DIR / "gemm.wasm"), "gemm",

@@ -1,0 +1,333 @@
+"""Rebuild a session from checkpoint frames.
+
+A :class:`Restorer` verifies and applies frames as they arrive (KV straight into
+the layer caches, so a streamed live migration has nothing left to assemble at
+commit) and builds the session only after the trailer checks out; the caller
+registers it (``ModelHost.adopt``), so a failed restore never leaves half a
+session behind. Every size is checked against the model before it is allocated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any, Iterable
+
+import numpy as np
+
+from ..errors import GuestError, SessionExistsError
+from ..guest import MemoryImage
+from ..params import SamplingParams, SessionOptions
+from ..session import Session, SessionState
+from . import codecs
+from .errors import CheckpointError, CheckpointModelError, OutOfMemoryError
+from .frames import GUEST, HEADER, KV, STATE, TRAILER, Frame, iter_frames, read_file_chunks
+from .mlxbits import mx_from_bits, oom
+
+PAGE = 65536
+MAX_GUEST_BYTES = 4 << 30
+MAX_TOKENS = 1 << 22
+
+
+class Restorer:
+    """Applies verified frames; :meth:`commit` creates the session on ``host``."""
+
+    def __init__(self, host: Any, *, expect_guest_sha: str | None = None,
+                 session_id: str | None = None):
+        self.host = host
+        self.expect_guest_sha = expect_guest_sha
+        self.session_id = session_id
+        self.header: dict | None = None
+        self.chunks: list[list[tuple[int, int, Any]]] = []
+        self.whole: dict[int, dict] = {}
+        self.state: dict | None = None
+        self.guest: dict | None = None
+        self.done = False
+        self.frames = 0
+        self.caches: list = []
+        self.lock = getattr(host, "compute", None) or threading.Lock()
+        self.kv_bytes = 0  # KV received so far
+        self.reserved = 0  # cache room allocated (tokens received and to come)
+
+    def apply(self, f: Frame) -> None:
+        self.frames += 1
+        where = f.name
+        if not isinstance(f.body, dict):
+            raise CheckpointError(f"{where}: body is not a map")
+        if f.kind == HEADER:
+            self._header(f.body, where)
+        elif self.header is None:
+            raise CheckpointError(f"{where}: arrives before the header")
+        elif f.kind == KV:
+            batch = f.body.get("batch")
+            if batch is None:
+                self._kv(f.body, where)
+            elif not (isinstance(batch, list) and 0 < len(batch) <= len(self.chunks)
+                      and all(isinstance(b, dict) and "batch" not in b for b in batch)):
+                raise CheckpointError(f"{where}: malformed KV batch")
+            else:  # a final delta: one hold of the lock and one evaluation for all layers
+                import mlx.core as mx
+
+                pending: list = []
+                with self.lock:
+                    for j, b in enumerate(batch):
+                        self._kv(b, f"{where} entry {j}", pending)
+                    with oom(where):
+                        mx.eval(pending)
+        elif f.kind == STATE:
+            self.state = f.body
+        elif f.kind == GUEST:
+            self.guest = f.body
+        elif f.kind == TRAILER:
+            self.done = True
+
+    def _admit(self, nbytes: int, where: str, reserve: int = 0) -> None:
+        """Refuse KV beyond the host's budget (``serve --max-kv-mb``) before allocating
+        it: ``nbytes`` received, ``reserve`` cache room (received or to come)."""
+        self.kv_bytes += nbytes
+        self.reserved += reserve
+        limit = getattr(self.host, "max_kv_bytes", None)
+        if limit and (used := self.host.kv_bytes()) + max(self.kv_bytes, self.reserved) > limit:
+            raise OutOfMemoryError(
+                f"{where}: out of memory on this host: the session's KV needs more than the "
+                f"{limit / 1e6:.0f} MB it may use ({used / 1e6:.1f} MB already in use)")
+
+    def _header(self, h: dict, where: str) -> None:
+        if self.header is not None:
+            raise CheckpointError(f"{where}: a second header")
+        if h.get("format") != 1:
+            raise CheckpointError(f"{where}: unknown checkpoint format version {h.get('format')!r}")
+        lm = self.host.lm
+        model = h.get("model") or {}
+        if model.get("fingerprint") != lm.fingerprint:
+            raise CheckpointModelError(
+                f"{where}: checkpoint is for model '{model.get('name')}' (fingerprint "
+                f"{str(model.get('fingerprint'))[:12]}…), this host serves '{lm.name}' "
+                f"({lm.fingerprint[:12]}…)")
+        guest = h.get("guest") or {}
+        if self.expect_guest_sha and guest.get("sha256") != self.expect_guest_sha:
+            raise CheckpointError(f"{where}: checkpoint was made with guest '{guest.get('label')}' "
+                                  f"(sha256 {str(guest.get('sha256'))[:12]}…), not the requested guest")
+        cache = h.get("cache") or {}
+        n = len(lm.model.layers)
+        if cache.get("layers") != n or cache.get("class") not in ("KVCache", "RotatingKVCache",
+                                                                  "QuantizedKVCache"):
+            raise CheckpointError(f"{where}: cache of {cache.get('layers')} layers of "
+                                  f"{cache.get('class')!r} does not fit this model ({n} layers)")
+        self.header = h
+        self.chunks = [[] for _ in range(n)]
+        if cache.get("class") == "KVCache":
+            from mlx_lm.models.cache import KVCache
+
+            self.caches = [KVCache() for _ in range(n)]
+
+    def _kv(self, b: dict, where: str, pending: list | None = None) -> None:
+        """Apply one KV body. ``pending``: the caller holds the lock; the updated
+        arrays are added to it for one evaluation of a whole batch."""
+        i, t0, t1 = b.get("layer"), b.get("start"), b.get("end")
+        n = len(self.chunks)
+        if not (isinstance(i, int) and 0 <= i < n and isinstance(t0, int) and isinstance(t1, int)
+                and 0 <= t0 <= t1 <= MAX_TOKENS):
+            raise CheckpointError(f"{where}: bad layer or token range ({i}, {t0}..{t1})")
+        cache = self.header["cache"]
+        heads, hd = cache["kv_heads"], cache["head_dim"]
+        if b.get("whole"):
+            if b.get("keys") is not None:
+                k = codecs.decode(b["keys"], f"{where} keys")
+                v = codecs.decode(b["values"], f"{where} values")
+                self._admit(k.nbytes + v.nbytes, where)
+                meta = b.get("meta")
+                if not (isinstance(meta, list) and len(meta) == 4 and all(isinstance(x, int) for x in meta)):
+                    raise CheckpointError(f"{where}: malformed rotating-cache meta state")
+                b = {**b, "_k": (k, b["keys"]["dtype"]), "_v": (v, b["values"]["dtype"])}
+            self.whole[i] = b
+            return
+        if cache["class"] == "QuantizedKVCache":
+            sides = []
+            for side in ("keys", "values"):
+                blobs = b.get(side)
+                if not isinstance(blobs, list) or len(blobs) != 3:
+                    raise CheckpointError(f"{where}: quantized {side} must be 3 tensors")
+                arrs = [(codecs.decode(x, f"{where} {side}[{j}]"), x["dtype"]) for j, x in enumerate(blobs)]
+                for a, _ in arrs:
+                    if a.ndim != 4 or a.shape[1] != heads or a.shape[2] != t1 - t0:
+                        raise CheckpointError(f"{where}: {side} shape {list(a.shape)} does not fit "
+                                              f"{heads} heads x {t1 - t0} tokens")
+                sides.append(arrs)
+                self._admit(sum(a.nbytes for a, _ in arrs), where)
+            meta = b.get("meta") or {}
+            self.chunks[i].append((t0, t1, ("q", sides, meta)))
+            return
+        k = codecs.decode(b.get("keys"), f"{where} keys")
+        v = codecs.decode(b.get("values"), f"{where} values")
+        for name, a in (("keys", k), ("values", v)):
+            if a.ndim != 4 or a.shape[1] != heads or a.shape[2] != t1 - t0 or a.shape[3] != hd:
+                raise CheckpointError(f"{where}: {name} shape {list(a.shape)} does not fit "
+                                      f"[1, {heads}, {t1 - t0}, {hd}]")
+        # Append straight into the layer's cache as frames arrive, so a streamed
+        # (live) restore has nothing left to assemble at commit time.
+        c = self.caches[i]
+        if t0 != c.offset:
+            raise CheckpointError(f"{where}: token range {t0}..{t1} does not continue layer {i} "
+                                  f"(it holds {c.offset} tokens)")
+        import mlx.core as mx
+
+        self._admit(k.nbytes + v.nbytes, where)
+        with oom(where), self.lock if pending is None else contextlib.nullcontext():
+            self._reserve(c, t1, k.shape, b["keys"]["dtype"], v.shape, b["values"]["dtype"], where)
+            c.update_and_fetch(mx_from_bits(k, b["keys"]["dtype"]), mx_from_bits(v, b["values"]["dtype"]))
+            if pending is None:
+                mx.eval(c.keys, c.values)
+            else:
+                pending += [c.keys, c.values]
+        self.chunks[i].append((t0, t1, None))
+
+    def _reserve(self, c, t1: int, kshape, kdtype: str, vshape, vdtype: str, where: str) -> None:
+        """Grow a layer's cache ahead of token ``t1``, once, to the token count the
+        header announces (never past the session's context; charged to the KV
+        budget), so a chunked stream appends in place instead of re-copying the
+        layer every 256 tokens as ``KVCache`` would; past it, by doubling."""
+        import mlx.core as mx
+
+        cap = 0 if c.keys is None else c.keys.shape[2]
+        if t1 <= cap:
+            return
+        hint = self.header["cache"].get("tokens")
+        limit = (self.header.get("session") or {}).get("context")
+        hint = hint if isinstance(hint, int) and isinstance(limit, int) and 0 <= hint <= min(limit, MAX_TOKENS) else 0
+        new = max(t1, hint + c.step if cap == 0 else 2 * cap)
+        new = -(-new // c.step) * c.step
+        per_token = kshape[1] * kshape[3] * codecs.DTYPES[kdtype][1] + vshape[1] * vshape[3] * codecs.DTYPES[vdtype][1]
+        self._admit(0, where, reserve=(new - cap) * per_token)
+        grown = []
+        for old, shape, dt in ((c.keys, kshape, kdtype), (c.values, vshape, vdtype)):
+            dt = getattr(mx, dt)
+            if old is None:
+                grown.append(mx.zeros((shape[0], shape[1], new, shape[3]), dt))
+            else:
+                grown.append(mx.concatenate(
+                    [old[..., :c.offset, :], mx.zeros((shape[0], shape[1], new - c.offset, shape[3]), dt)], axis=2))
+        c.state = (*grown, c.offset)
+
+    def commit(self) -> Session:
+        """Build the session from everything applied (not registered: the caller
+        adopts it, e.g. a migration only at its commit)."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
+
+        if not self.done:
+            raise CheckpointError("truncated: no verified trailer")
+        if self.state is None or self.guest is None:
+            raise CheckpointError("checkpoint lacks its state or guest frame")
+        h, st, g = self.header, self.state, self.guest
+        n_tokens = st.get("n_tokens")
+        if not isinstance(n_tokens, int) or not 0 <= n_tokens <= MAX_TOKENS:
+            raise CheckpointError("state frame: bad token count")
+        history = np.frombuffer(codecs.decode_bytes(st.get("history"), "state frame history",
+                                                    4 * MAX_TOKENS), dtype=np.int32)
+        if history.size != n_tokens:
+            raise CheckpointError(f"state frame: history has {history.size} tokens, header says {n_tokens}")
+        vocab = self.host.lm.config["vocab_size"]
+        if history.size and (history.min() < 0 or history.max() >= vocab):
+            raise CheckpointError("state frame: history holds token ids outside the vocabulary")
+        # caches, from the states the frames carried
+        kind = h["cache"]["class"]
+        caches = []
+        for i, chunks in enumerate(self.chunks):
+            if kind == "RotatingKVCache":
+                w = self.whole.get(i)
+                if w is None:
+                    raise CheckpointError(f"layer {i}: no KV frame")
+                if w.get("keys") is not None:
+                    keep, max_size, offset, idx = w["meta"]
+                    c = RotatingKVCache.from_state((mx_from_bits(*w["_k"]), mx_from_bits(*w["_v"]),
+                                                    offset, keep, max_size, idx))
+                else:
+                    c = RotatingKVCache(max_size=int(h["session"]["options"].get("ctx") or 0) or 1, keep=4)
+                caches.append(c)
+                continue
+            chunks.sort(key=lambda x: x[0])
+            at = 0
+            for t0, t1, _ in chunks:
+                if t0 != at:
+                    raise CheckpointError(f"layer {i}: KV token ranges have a gap or overlap at {at}")
+                at = t1
+            if at != n_tokens:
+                raise CheckpointError(f"layer {i}: KV covers {at} tokens, the history has {n_tokens}")
+            if kind == "KVCache":
+                c = self.caches[i]  # assembled as the frames arrived
+            elif chunks:
+                meta = chunks[0][2][2]
+
+                def cat(side: int) -> tuple:
+                    return tuple(mx.concatenate([mx_from_bits(*p[1][side][j]) for _, _, p in chunks], axis=2)
+                                 for j in range(3))
+                c = QuantizedKVCache.from_state((cat(0), cat(1), n_tokens, int(meta.get("group_size", 64)),
+                                                 int(meta.get("bits", 8))))
+            else:
+                c = QuantizedKVCache()
+            caches.append(c)
+        mx.eval([c.state[:2] for c in caches if not c.empty()])
+        # guest
+        module_bytes = codecs.decode_bytes(g.get("module"), "guest frame module", 64 << 20)
+        gm = self.host.engine.compile(module_bytes, str(g.get("label", "guest.wasm")))
+        if gm.sha256 != g.get("sha256") or gm.sha256 != h["guest"]["sha256"]:
+            raise CheckpointError("guest frame: module bytes do not match the recorded hash")
+        if gm.kind != "chat":
+            raise CheckpointError(f"guest frame: {gm.label} is not a chat guest")
+        size = g.get("memory_size")
+        if not isinstance(size, int) or size % PAGE or not 0 < size <= MAX_GUEST_BYTES:
+            raise CheckpointError(f"guest frame: bad memory size {size!r}")
+        pages = np.frombuffer(g.get("pages") or b"", dtype=np.uint32)
+        if pages.size and (pages.max() >= size // PAGE or np.any(np.diff(pages.astype(np.int64)) <= 0)):
+            raise CheckpointError("guest frame: page table out of range")
+        data = codecs.decode_bytes(g["data"], "guest frame data", size) if pages.size else b""
+        if len(data) != pages.size * PAGE:
+            raise CheckpointError("guest frame: page data does not match the page table")
+        globals_ = g.get("globals") or {}
+        if not isinstance(globals_, dict):
+            raise CheckpointError("guest frame: malformed globals")
+        turn = st.get("turn")
+        if turn is not None:
+            if not isinstance(turn, dict):
+                raise CheckpointError("state frame: malformed turn in progress")
+            toks, texts = turn.get("tokens"), turn.get("texts")
+            if not (isinstance(toks, list) and isinstance(texts, list) and len(toks) == len(texts)
+                    and all(isinstance(t, int) and 0 <= t < vocab for t in toks)
+                    and all(isinstance(t, str) for t in texts)
+                    and isinstance(turn.get("max_tokens", 0), int) and turn.get("max_tokens", 0) >= 0):
+                raise CheckpointError("state frame: malformed turn in progress")
+            turn = {"n_prompt": int(turn.get("n_prompt", 0)), "record": bool(turn.get("record", True)),
+                    "tokens": toks, "texts": texts, "max_tokens": turn.get("max_tokens", 0)}
+        sampling = st.get("sampling", {})
+        state = SessionState(
+            id=self.session_id or h["session"]["id"],
+            sampling=SamplingParams(**{**sampling, "stop": tuple(sampling.get("stop", ()))}),
+            options=SessionOptions(**h["session"]["options"]), context=h["session"].get("context", 0),
+            caches=caches, history=history.tolist(), messages=list(st.get("messages") or []), turn=turn,
+            module=gm, memory=MemoryImage(size, pages, data, globals_))
+        try:
+            return Session.from_state(self.host, state)
+        except GuestError as e:
+            raise CheckpointError(f"guest frame: {e}") from None
+
+
+def restore(host: Any, chunks: Iterable[bytes], **kw) -> Session:
+    """Restore and register a session on ``host`` (a ModelHost) from checkpoint bytes."""
+    r = Restorer(host, **kw)
+    for f in iter_frames(chunks):
+        r.apply(f)
+    try:
+        return host.adopt(r.commit())
+    except SessionExistsError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def load(host: Any, path: str | os.PathLike, **kw) -> Session:
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise CheckpointError(f"{path}: {e.strerror}") from None
+    with f:
+        return restore(host, read_file_chunks(f), **kw)

@@ -1,0 +1,136 @@
+"""``kvferry bench …``: each benchmark prints JSON with ``--json``; none is a test."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Callable
+
+from ..console import print_json
+from ..errors import KvferryError
+
+
+def cmd_bench_cpu(a) -> int:
+    from .cpu import run
+
+    r = run(a.model, a.prompt_tokens, a.decode_tokens)
+    if a.json:
+        print_json(r)
+    else:
+        print(f"prefill ({r['prompt_tokens']} tokens): fast {r['prefill_tps_fast']} tok/s, "
+              f"stock {r['prefill_tps_stock']} tok/s, speedup {r['prefill_speedup']}x")
+        print(f"decode: fast {r['decode_ms_per_token_fast']} ms/token, "
+              f"stock {r['decode_ms_per_token_stock']} ms/token")
+    return 0
+
+
+def cmd_bench_overhead(a) -> int:
+    from .overhead import run
+
+    r = run(a.model, a.tokens, a.rounds)
+    if a.json:
+        print_json(r)
+    else:
+        print(f"decode: runtime {r['decode_tps_runtime']} tok/s, bare mlx-lm {r['decode_tps_bare']} "
+              f"tok/s, ratio {r['ratio']}; prefill ratio {r['prefill_ratio']}; "
+              f"tokens equal: {r['tokens_equal']}")
+    return 0
+
+
+def cmd_bench_checkpoint(a) -> int:
+    from .checkpoint import run
+
+    if a.windows < 1:
+        raise KvferryError(f"--windows must be at least 1, not {a.windows}")
+    r = run(a.model, tuple(a.contexts), windows=a.windows)
+    if a.json:
+        print_json(r)
+    else:
+        for ctx, row in r["contexts"].items():
+            for mode in ("lossless", "int8", "int4"):
+                m = row[mode]
+                print(f"ctx {ctx:>5} {mode:8} ratio {m['ratio']:6} (own dtype {m['ratio_own_dtype']}) "
+                      f"enc {m['encode_mb_s']} MB/s dec {m['decode_mb_s']} MB/s top1 {m['top1_agreement']} "
+                      f"(min {m['top1_agreement_min']})"
+                      + (f" bit_exact {m['bit_exact']} bf16 ratio {m['lossless_bf16_ratio']}"
+                         if mode == "lossless" else ""))
+    return 0
+
+
+def cmd_bench_fuzz(a) -> int:
+    from .fuzz import run
+
+    r = run(a.cases, a.seed)
+    print(json.dumps(r, indent=2) if a.json else
+          f"{r['cases']} mutated checkpoints: {r['rejected']} rejected with one-line errors, "
+          f"{r['accepted_unchanged']} unchanged accepted, {r['failures']} failures")
+    return 0 if r["failures"] == 0 else 1
+
+
+def cmd_bench_migrate(a) -> int:
+    from .migrate import plot, run
+
+    if a.reps < 1:
+        raise KvferryError(f"--reps must be at least 1, not {a.reps}")
+    r = run(tuple(a.contexts), a.generate, threads=a.threads or None, pin=a.pin, reps=a.reps,
+            progress=(lambda m: print(m, file=sys.stderr)))
+    if a.plot:
+        plot(r, a.plot)
+    if a.json:
+        print_json(r)
+    else:
+        for row in r["rows"]:
+            print(row)
+        print(r["targets"])
+    return 0
+
+
+def cmd_bench_zero_copy(a) -> int:
+    from .zero_copy import run, table
+
+    r = run(a.n, a.reps)
+    print(json.dumps(r, indent=2) if a.json else table(r))
+    return 0
+
+
+def register(sub, add: Callable) -> None:
+    b = sub.add_parser("bench", help="benchmarks (print JSON with --json)").add_subparsers(
+        dest="sub", required=True)
+    bc = add(b, "cpu", cmd_bench_cpu, "Linux CPU fast path vs the stock mlx-cpu path")
+    bc.add_argument("--model")
+    bc.add_argument("--prompt-tokens", type=int, default=512)
+    bc.add_argument("--decode-tokens", type=int, default=32)
+    bc.add_argument("--json", action="store_true")
+    bo = add(b, "overhead", cmd_bench_overhead, "guest-driven session vs bare mlx-lm decode speed")
+    bo.add_argument("--model")
+    bo.add_argument("--tokens", type=int, default=256, help="generated tokens per run")
+    bo.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
+    bo.add_argument("--json", action="store_true")
+    bk = add(b, "checkpoint", cmd_bench_checkpoint, "KV codecs: ratio, speed, top-1 agreement")
+    bk.add_argument("--model")
+    bk.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    bk.add_argument("--windows", type=int, default=8,
+                    help="text windows per context for top-1 agreement (mean and min reported)")
+    bk.add_argument("--json", action="store_true")
+    bf = add(b, "fuzz", cmd_bench_fuzz, "mutate a real checkpoint N times; every case must fail cleanly")
+    bf.add_argument("--cases", type=int, default=10000)
+    bf.add_argument("--seed", type=int, default=0)
+    bf.add_argument("--json", action="store_true")
+    bm = add(b, "migrate", cmd_bench_migrate, "live vs stop-and-copy vs re-prefill on two loopback hosts")
+    bm.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
+    bm.add_argument("--generate", type=int, default=400,
+                    help="reply limit; each run reads until 16 tokens after the handoff")
+    bm.add_argument("--threads", type=int, default=1,
+                    help="BLAS threads per host (both share this machine; 0: the BLAS default)")
+    bm.add_argument("--pin", action="store_true",
+                    help="each host on its own half of the CPUs (serve --cpus), as on two machines "
+                         "(default: both share every CPU)")
+    bm.add_argument("--reps", type=int, default=5,
+                    help="migrations per context and mode; each row is the median one, every rep listed")
+    bm.add_argument("--plot", help="write a PNG figure (needs matplotlib)")
+    bm.add_argument("--json", action="store_true")
+    bz = add(b, "zero-copy", cmd_bench_zero_copy,
+             "guest memory exposed to MLX in place vs copied (the seed's table)")
+    bz.add_argument("--n", type=int, default=128, help="GEMM size (n x n)")
+    bz.add_argument("--reps", type=int, default=100, help="GEMM repetitions per path (median)")
+    bz.add_argument("--json", action="store_true")

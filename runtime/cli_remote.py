@@ -1,0 +1,187 @@
+"""``kvferry serve`` and the commands that talk to hosts: sessions, hosts, migrate."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from .console import print_json
+from .errors import KvferryError
+from .params import MIGRATE_DEFAULTS, MIGRATE_MODES
+
+DEFAULT_HOST = "127.0.0.1:50051"
+
+
+def _tls(a, prefix: str = "tls") -> dict | None:
+    cert, key, ca = (getattr(a, f"{prefix}_{k}", None) for k in ("cert", "key", "ca"))
+    return {"cert": cert, "key": key, "ca": ca} if (cert or ca) else None
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """``"0-3,6"`` -> {0, 1, 2, 3, 6}; every CPU must exist on this machine."""
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise KvferryError(f"--cpus '{spec}': expected CPU numbers and ranges like 0-3,6") from None
+    have = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    if not cpus or not cpus <= have:
+        raise KvferryError(f"--cpus '{spec}': this machine offers CPUs {_ranges(sorted(have))}")
+    return cpus
+
+
+def _ranges(xs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def cmd_serve(a) -> int:
+    from .cluster import serve
+    from .paths import ensure_token
+
+    bind = f"{a.bind}:{a.port}"
+    token = ensure_token(a.token, a.no_auth)
+    if a.cpus:
+        if not hasattr(os, "sched_setaffinity"):
+            raise KvferryError("--cpus needs CPU affinity, which this OS does not offer (Linux only)")
+        os.sched_setaffinity(0, parse_cpus(a.cpus))  # inherited by Ray and the host's actor process
+    if a.threads is not None:
+        if a.threads < 1:
+            raise KvferryError(f"--threads must be at least 1, not {a.threads}")
+        os.environ["OPENBLAS_NUM_THREADS"] = str(a.threads)  # read when the host's BLAS loads
+    if a.max_kv_mb is not None and a.max_kv_mb <= 0:
+        raise KvferryError(f"--max-kv-mb must be positive, not {a.max_kv_mb}")
+    if a.no_auth:
+        from .transport import is_loopback
+        if not is_loopback(a.bind):
+            raise KvferryError(f"--no-auth is only allowed on a loopback address, not {a.bind}")
+
+    def ready(addr: str) -> None:
+        print(f"kvferry serving on {addr} (model {a.model or 'SmolLM2-135M-Instruct'}, "
+              f"auth {'off' if token is None else 'token'}, "
+              f"TLS {'mutual' if a.tls_ca and a.tls_cert else 'on' if a.tls_cert else 'off'})", flush=True)
+
+    serve(a.model, bind, token, address=a.address, allow_no_auth=a.no_auth, tls=_tls(a),
+          client_tls=_tls(a, "peer_tls"), ready=ready,
+          max_kv_bytes=int(a.max_kv_mb * 1e6) if a.max_kv_mb else None)
+    return 0
+
+
+def _client(a):
+    from .sdk import Client
+    from .transport import TLSConfig
+
+    t = _tls(a, "tls")
+    return Client(a.host or os.environ.get("KVFERRY_HOST", DEFAULT_HOST), a.token,
+                  tls=TLSConfig(**t) if t else None)
+
+
+def cmd_sessions(a) -> int:
+    rows = _client(a).sessions()
+    if a.json:
+        print_json(rows)
+    else:
+        print(f"{'ID':14} {'HOST':22} {'TOKENS':>7} {'KV MB':>7} {'GUEST':12} TURN")
+        for r in rows:
+            print(f"{r['id']:14} {r['host']:22} {r['tokens']:>7} {r['kv_bytes'] / 1e6:>7.1f} "
+                  f"{r['guest']:12} {'yes' if r['in_turn'] else ''}")
+    return 0
+
+
+def cmd_hosts(a) -> int:
+    rows = _client(a).hosts()
+    if a.json:
+        print_json(rows)
+    else:
+        print(f"{'ADDRESS':22} {'NODE':16} {'MODEL':26} {'SESSIONS':>8} HEALTHY")
+        for r in rows:
+            print(f"{r['address']:22} {r['node']:16} {r['model']:26} {r['sessions']:>8} {r['healthy']}")
+    return 0
+
+
+def cmd_migrate(a) -> int:
+    from tqdm import tqdm
+
+    c = _client(a)
+    s = c.session(a.session)
+    bar = tqdm(total=None, unit="B", unit_scale=True, desc=f"migrate {a.session}", disable=a.json,
+               leave=False)
+
+    def progress(p):
+        bar.total = bar.total or None
+        bar.n = p.bytes_sent
+        bar.set_postfix_str(f"frames {p.frames_sent}/{p.frames_total}")
+        bar.refresh()
+
+    if a.rate < 0:
+        raise KvferryError(f"--rate must be positive, not {a.rate}")
+    m = s.migrate(a.to, to_token=a.to_token, mode=a.mode, live=not a.stop_copy, rate_mb_s=a.rate,
+                  progress=progress)
+    bar.close()
+    out = {"session": a.session, "target": m.target, "bytes": m.bytes, "seconds": round(m.seconds, 4),
+           "raw_kv_bytes": m.raw_kv_bytes, "ratio": round(m.ratio, 3), "tokens": m.tokens,
+           "pause_ms": round(m.pause_ms, 2), "live": not a.stop_copy}
+    if a.json:
+        print_json(out)
+    else:
+        print(f"migrated {a.session} to {m.target}: {m.bytes} bytes in {m.seconds * 1000:.1f} ms "
+              f"({m.tokens} tokens, KV ratio {m.ratio:.2f})")
+    return 0
+
+
+def tls_args(sp, prefix="tls", what="server"):
+    sp.add_argument(f"--{prefix.replace('_', '-')}-cert", dest=f"{prefix}_cert", help=f"{what} certificate (PEM)")
+    sp.add_argument(f"--{prefix.replace('_', '-')}-key", dest=f"{prefix}_key", help=f"{what} key (PEM)")
+    sp.add_argument(f"--{prefix.replace('_', '-')}-ca", dest=f"{prefix}_ca",
+                    help="CA to verify peers (on a server: require client certificates, mutual TLS)")
+
+
+def client_args(sp):
+    sp.add_argument("--host", help=f"session host (default: $KVFERRY_HOST or {DEFAULT_HOST})")
+    sp.add_argument("--token", help="default: $KVFERRY_TOKEN or $KVFERRY_HOME/token")
+    tls_args(sp, "tls", "client")
+    sp.add_argument("--json", action="store_true")
+
+
+def register(sub, add: Callable) -> None:
+    sv = add(sub, "serve", cmd_serve, "run a session host on this machine (Ray + gRPC)")
+    sv.add_argument("--model")
+    sv.add_argument("--bind", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=50051)
+    sv.add_argument("--token", help="shared secret (default: $KVFERRY_TOKEN or $KVFERRY_HOME/token)")
+    sv.add_argument("--no-auth", action="store_true", help="no token (loopback addresses only)")
+    sv.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or an embedded Ray)")
+    sv.add_argument("--threads", type=int, help="CPU threads for the model's matrix products (like llama.cpp "
+                    "-t; default: all cores). Give each host its share when several share a machine")
+    sv.add_argument("--cpus", metavar="LIST", help="run the host on these CPUs only, e.g. 0-3 (like llama.cpp "
+                    "--cpu-range; Linux). Hosts sharing a machine then do not slow each other's steps")
+    sv.add_argument("--max-kv-mb", type=float, help="KV cache memory this host may hold; restores and "
+                    "incoming migrations beyond it are refused (default: no limit)")
+    tls_args(sv)
+    tls_args(sv, "peer_tls", "client certificate for outgoing migrations:")
+
+    ss = add(sub, "sessions", cmd_sessions, "list the sessions on a host")
+    client_args(ss)
+    hs = add(sub, "hosts", cmd_hosts, "list the hosts of the cluster")
+    client_args(hs)
+    mg = add(sub, "migrate", cmd_migrate, "move a session to another host")
+    mg.add_argument("session")
+    mg.add_argument("--to", required=True, help="target host address")
+    mg.add_argument("--to-token", help="the target's token if it differs")
+    mg.add_argument("--mode", default=MIGRATE_DEFAULTS["mode"], choices=MIGRATE_MODES,
+                    help="how the KV travels: raw (default, fast links), lossless (~1.2x smaller), int8/int4")
+    mg.add_argument("--rate", type=float, default=0.0, metavar="MB/S",
+                    help="live pre-copy: MB/s of KV at most (default 0: about 3 MB per decode step of "
+                         "the session, so generation keeps its pace; 40 MB/s if it is not generating)")
+    mode = mg.add_mutually_exclusive_group()
+    mode.add_argument("--live", action="store_true", help="pre-copy live migration (the default)")
+    mode.add_argument("--stop-copy", action="store_true", help="stop-and-copy")
+    client_args(mg)

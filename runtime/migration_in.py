@@ -1,0 +1,138 @@
+"""Migration, target side: verify frames as they arrive, restore, and make the
+session ours only at commit (:meth:`ModelHost.adopt`); a session that moved
+mid-reply generates on at once, before its client reconnects."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checkpoint.frames import FrameDecoder
+from .checkpoint.restore import Restorer
+from .errors import KvferryError, ModelMismatchError, SessionExistsError
+from .proto import kvferry_pb2 as pb
+from .proto import kvferry_pb2_grpc as pbg
+from .slots import Slot, TurnFeed
+from .transport import abort
+
+RUNNING_WAIT = 5.0  # s: how long the target waits for a landed turn's first token before it reports
+ACK_EVERY_FRAMES, ACK_EVERY_BYTES = 16, 4 << 20  # the target acks this often (< the source's window)
+PREPARED_TTL = 120.0
+
+
+@dataclass
+class Incoming:
+    session_id: str
+    restorer: Restorer
+    decoder: FrameDecoder = field(default_factory=FrameDecoder)
+    next_seq: int = 0
+    prepared: Any = None
+    started: float = field(default_factory=time.monotonic)
+
+
+def expire(srv: Any, now: float) -> None:
+    """Drop incoming migrations and committed ids older than PREPARED_TTL."""
+    with srv._lock:
+        stale = [k for k, v in srv.incoming.items() if now - v.started > PREPARED_TTL]
+        for k in stale:
+            inc = srv.incoming.pop(k)
+            if inc.prepared is not None:
+                inc.prepared.close()
+        for k in [k for k, t in srv.committed.items() if now - t > PREPARED_TTL]:
+            del srv.committed[k]
+
+
+class MigrationTarget(pbg.MigrationServicer):
+    """Target side: verify frames as they come, restore, commit on request."""
+
+    def __init__(self, srv: Any):
+        self.srv = srv
+
+    def Transfer(self, request_iterator, context):
+        srv = self.srv
+        inc: Incoming | None = None
+        acked_seq, unacked = 0, 0
+        try:
+            for msg in request_iterator:
+                kind = msg.WhichOneof("kind")
+                if kind == "begin":
+                    b = msg.begin
+                    if b.fingerprint != srv.host.lm.fingerprint:
+                        raise ModelMismatchError(f"model mismatch: the target serves '{srv.host.lm.name}' "
+                                                 f"({srv.host.lm.fingerprint[:12]}…), the session's model differs")
+                    if b.migration_id in srv.committed:  # the link dropped after our commit ack
+                        yield pb.MigrationAck(state="committed", next_seq=0, session_id=b.session_id)
+                        yield pb.MigrationAck(state="running", next_seq=0, session_id=b.session_id)
+                        continue
+                    with srv._lock:
+                        inc = srv.incoming.get(b.migration_id)
+                        if inc is None:
+                            if b.session_id in srv.host.sessions:
+                                raise SessionExistsError(f"session {b.session_id} already exists on the target")
+                            inc = Incoming(b.session_id, Restorer(srv.host, session_id=b.session_id))
+                            srv.incoming[b.migration_id] = inc
+                        mid = b.migration_id
+                    acked_seq, unacked = inc.next_seq, 0
+                    yield pb.MigrationAck(state="ready" if inc.prepared is None else "restored",
+                                          next_seq=inc.next_seq, session_id=inc.session_id)
+                elif kind == "frame":
+                    if inc is None:
+                        raise KvferryError("frame before begin")
+                    f = msg.frame
+                    if f.seq < inc.next_seq:
+                        continue  # a resend after reconnect: already verified
+                    if f.seq > inc.next_seq:
+                        raise KvferryError(f"frame {f.seq} arrived, expected {inc.next_seq}")
+                    for fr in inc.decoder.feed(f.data):
+                        inc.restorer.apply(fr)
+                    inc.next_seq += 1
+                    unacked += len(f.data)
+                    if inc.decoder.done and inc.prepared is None:
+                        inc.prepared = inc.restorer.commit()
+                        yield pb.MigrationAck(state="restored", next_seq=inc.next_seq,
+                                              session_id=inc.session_id)
+                    elif inc.next_seq - acked_seq >= ACK_EVERY_FRAMES or unacked >= ACK_EVERY_BYTES:
+                        # coalesced acks (below the source's window, so it never starves)
+                        yield pb.MigrationAck(state="ack", next_seq=inc.next_seq, session_id=inc.session_id)
+                    else:
+                        continue
+                    acked_seq, unacked = inc.next_seq, 0
+                elif kind == "commit":
+                    if inc is None or inc.prepared is None:
+                        raise KvferryError("commit before a verified restore")
+                    try:
+                        srv.host.adopt(inc.prepared)
+                    except SessionExistsError:
+                        inc.prepared = None  # adopt closed it
+                        raise
+                    with srv._lock:
+                        srv.incoming.pop(mid, None)
+                        srv.moved.pop(inc.session_id, None)
+                        srv.committed[mid] = time.monotonic()
+                        feed = None
+                        if inc.prepared.turn is not None:  # it moved mid-reply: generate on now
+                            slot = srv.slots.setdefault(inc.session_id, Slot())
+                            slot.lock.acquire()
+                            t = inc.prepared.turn
+                            feed = srv.feeds[inc.session_id] = TurnFeed(earlier=list(zip(t.tokens, t.texts)))
+                            srv.executor.submit(srv.drive, inc.session_id, slot, feed)
+                    yield pb.MigrationAck(state="committed", next_seq=inc.next_seq, session_id=inc.session_id)
+                    # Bookkeeping waits for the landed turn's first token: on a shared
+                    # machine it would slow the step the client is waiting for.
+                    if feed is not None:
+                        feed.wait_started(RUNNING_WAIT)
+                    srv._dir("register_session", inc.session_id, srv.address)
+                    yield pb.MigrationAck(state="running", next_seq=inc.next_seq, session_id=inc.session_id)
+                    inc = None
+                elif kind == "abort":
+                    with srv._lock:
+                        srv.incoming.pop(mid, None)
+                    if inc is not None and inc.prepared is not None:
+                        inc.prepared.close()
+                    inc = None
+        except KvferryError as e:
+            if inc is not None:
+                with srv._lock:
+                    srv.incoming = {k: v for k, v in srv.incoming.items() if v is not inc}
+            abort(context, e)

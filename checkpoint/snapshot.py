@@ -1,12 +1,11 @@
-"""Snapshot a live session into frames, and rebuild a session from frames.
+"""Snapshot a live session into checkpoint frames (restoring is :mod:`.restore`).
 
 Frame order: header, KV frames (token ranges per layer, any number of stages),
 state (token history, messages, sampling), guest (memory pages, globals,
-module), trailer. A :class:`Snapshotter` can emit the KV of the tokens so far,
-later the KV of tokens generated since (deltas), and finally the small state:
-that is what live migration streams. A :class:`Restorer` verifies and applies
-frames as they arrive but registers the session only after the trailer checks
-out, so a failed restore never leaves half a session behind.
+module), trailer. A :class:`Snapshotter` reads the session through its
+``state()`` (and the caches' own ``state``): it can emit the KV of the tokens so
+far, later the KV of tokens generated since (deltas), and finally the small
+state: that is what live migration streams.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import numpy as np
 
 from . import codecs
 from .errors import CheckpointError
-from .frames import GUEST, HEADER, KV, STATE, TRAILER, FrameWriter
+from .frames import GUEST, HEADER, KV, STATE, FrameWriter
 from .mlxbits import mx_bits, np_kind
 
 

@@ -122,17 +122,15 @@ class ModelHost:
 
     def create_session(self, guest: str | Path | None = None, sampling: SamplingParams | None = None,
                        options: SessionOptions | None = None, session_id: str | None = None) -> Session:
-        with self.lock:
-            if session_id in self.sessions:
-                raise SessionExistsError(f"session {session_id} already exists on this host")
-            s = Session(self, guest, sampling or SamplingParams(), options or SessionOptions(), session_id)
-            self.sessions[s.id] = s
-            return s
+        if session_id in self.sessions:  # fail before building a guest; adopt decides under the lock
+            raise SessionExistsError(f"session {session_id} already exists on this host")
+        return self.adopt(Session(self, guest, sampling or SamplingParams(), options or SessionOptions(),
+                                  session_id))
 
     def adopt(self, session: Session) -> Session:
-        """Register a session built elsewhere (a restore, a landed migration): the
-        one place besides create_session where a session joins this host. On an id
-        already here the newcomer is closed and refused."""
+        """Register a session: the one place a session joins this host (created,
+        restored, or landed by a migration). On an id already here the newcomer is
+        closed and refused."""
         with self.lock:
             if session.id in self.sessions:
                 session.close()

@@ -33,7 +33,7 @@ class Incoming:
 
 def expire(srv: Any, now: float) -> None:
     """Drop incoming migrations and committed ids older than PREPARED_TTL."""
-    with srv._lock:
+    with srv.registry_lock:
         stale = [k for k, v in srv.incoming.items() if now - v.started > PREPARED_TTL]
         for k in stale:
             inc = srv.incoming.pop(k)
@@ -65,7 +65,7 @@ class MigrationTarget(pbg.MigrationServicer):
                         yield pb.MigrationAck(state="committed", next_seq=0, session_id=b.session_id)
                         yield pb.MigrationAck(state="running", next_seq=0, session_id=b.session_id)
                         continue
-                    with srv._lock:
+                    with srv.registry_lock:
                         inc = srv.incoming.get(b.migration_id)
                         if inc is None:
                             if b.session_id in srv.host.sessions:
@@ -106,7 +106,7 @@ class MigrationTarget(pbg.MigrationServicer):
                     except SessionExistsError:
                         inc.prepared = None  # adopt closed it
                         raise
-                    with srv._lock:
+                    with srv.registry_lock:
                         srv.incoming.pop(mid, None)
                         srv.moved.pop(inc.session_id, None)
                         srv.committed[mid] = time.monotonic()
@@ -122,17 +122,17 @@ class MigrationTarget(pbg.MigrationServicer):
                     # machine it would slow the step the client is waiting for.
                     if feed is not None:
                         feed.wait_started(RUNNING_WAIT)
-                    srv._dir("register_session", inc.session_id, srv.address)
+                    srv.tell_directory("register_session", inc.session_id, srv.address)
                     yield pb.MigrationAck(state="running", next_seq=inc.next_seq, session_id=inc.session_id)
                     inc = None
                 elif kind == "abort":
-                    with srv._lock:
+                    with srv.registry_lock:
                         srv.incoming.pop(mid, None)
                     if inc is not None and inc.prepared is not None:
                         inc.prepared.close()
                     inc = None
         except KvferryError as e:
             if inc is not None:
-                with srv._lock:
+                with srv.registry_lock:
                     srv.incoming = {k: v for k, v in srv.incoming.items() if v is not inc}
             abort(context, e)

@@ -92,7 +92,7 @@ class MigrationSource:
             link.wait_restored()
             link.commit()
             pause.committed, pause.target = True, t.target
-            with self._lock:
+            with self.registry_lock:
                 self.moved[sid] = t.target
                 self.slots.pop(sid, None)
                 self.feeds.pop(sid, None)
@@ -102,7 +102,7 @@ class MigrationSource:
             pause = None
             link.wait_running(RUNNING_WAIT)  # off the critical path: after the target's first token
             s.close()
-            self._dir("move", sid, self.address, t.target)
+            self.tell_directory("move", sid, self.address, t.target)
         except grpc.RpcError as e:
             link.abort()
             raise MigrationError(f"migration to {t.target} failed: {e.details() or e.code().name}") from None

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from .checkpoint.snapshot import snapshot
-from .errors import ConfigError, GuestError, KvferryError, ModelMismatchError, SessionBusyError
+from .errors import ConfigError, GuestError, KvferryError, MigrationError, ModelMismatchError, SessionBusyError
 from .host import ModelHost
 from .migration_in import Incoming, MigrationTarget, expire
 from .migration_out import MigrationSource, MigrationTicket
@@ -66,7 +66,7 @@ class HostServer(TurnDriver, MigrationSource):
         self.incoming: dict[str, Incoming] = {}
         self.feeds: dict[str, TurnFeed] = {}
         self.committed: dict[str, float] = {}  # migration id -> when (answers a re-sent Begin)
-        self._lock = threading.Lock()
+        self.registry_lock = threading.Lock()
         self.executor = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvferry-rpc")
         # accept the clients' 20 s keepalive pings during long calls (a prefill of
         # thousands of tokens on a CPU), instead of answering GOAWAY too_many_pings
@@ -149,7 +149,7 @@ class _Sessions(pbg.SessionsServicer):
         s = h.create_session(guest, sampling, options, r.session_id or None)
         if r.system:
             s.messages.append({"role": "system", "content": r.system})
-        self.srv._dir("register_session", s.id, self.srv.address)
+        self.srv.tell_directory("register_session", s.id, self.srv.address)
         return self.srv.info(s)
 
     @_guarded_stream
@@ -212,7 +212,7 @@ class _Sessions(pbg.SessionsServicer):
     def Restore(self, request_iterator, context):
         new_id = dict(context.invocation_metadata()).get("kvferry-session-id") or None
         s = self.srv.host.restore((c.data for c in request_iterator), session_id=new_id)
-        self.srv._dir("register_session", s.id, self.srv.address)
+        self.srv.tell_directory("register_session", s.id, self.srv.address)
         return self.srv.info(s)
 
     @_guarded_stream
@@ -223,7 +223,7 @@ class _Sessions(pbg.SessionsServicer):
         if not 0 <= r.rate_mb_s < 1e6:
             raise ConfigError(f"rate_mb_s must be between 0 and 1e6 MB/s, not {r.rate_mb_s}")
         slot = srv.slot(r.session_id)
-        with srv._lock:
+        with srv.registry_lock:
             if slot.migrating:
                 raise SessionBusyError(f"session {r.session_id}: a migration is already in progress")
             slot.migrating = True
@@ -246,11 +246,11 @@ class _Sessions(pbg.SessionsServicer):
             raise SessionBusyError(f"session {r.session_id} is busy")
         try:
             srv.host.close_session(r.session_id)
-            with srv._lock:
+            with srv.registry_lock:
                 srv.slots.pop(r.session_id, None)
         finally:
             slot.lock.release()
-        srv._dir("forget_session", r.session_id)
+        srv.tell_directory("forget_session", r.session_id)
         return pb.Empty()
 
     @_guarded
@@ -259,7 +259,7 @@ class _Sessions(pbg.SessionsServicer):
 
     @_guarded
     def ListHosts(self, r, context):
-        hosts = self.srv._dir("hosts")
+        hosts = self.srv.tell_directory("hosts")
         if not hosts:
             h = self.srv.host
             return pb.HostList(hosts=[pb.HostInfo(address=self.srv.address, model=h.lm.name,

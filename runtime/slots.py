@@ -73,9 +73,9 @@ class TurnDriver:
     slots: dict[str, Slot]
     feeds: dict[str, TurnFeed]
     moved: dict[str, str]
-    _lock: threading.Lock
+    registry_lock: threading.Lock
 
-    def _dir(self, method: str, *args) -> Any:
+    def tell_directory(self, method: str, *args) -> Any:
         if self.directory is None:
             return None
         import ray
@@ -86,7 +86,7 @@ class TurnDriver:
             return None
 
     def slot(self, sid: str) -> Slot:
-        with self._lock:
+        with self.registry_lock:
             if sid not in self.host.sessions:
                 raise UnknownSessionError(f"unknown session '{sid}'")
             return self.slots.setdefault(sid, Slot())

@@ -67,7 +67,7 @@ def test_bench_cpu_runs(smollm_dir):
 
 
 def test_serve_cpus_is_checked_before_anything_starts():
-    from kvferry.cli import parse_cpus
+    from kvferry.cli_remote import parse_cpus
 
     assert parse_cpus("0") == {0}
     have = sorted(os.sched_getaffinity(0))

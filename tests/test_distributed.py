@@ -326,7 +326,8 @@ def _certs(d: Path) -> dict:
 
 def test_tls_and_mutual_tls(tiny_model, tmp_path):
     from kvferry.host import ModelHost
-    from kvferry.server import HostServer, TLSConfig
+    from kvferry.server import HostServer
+    from kvferry.transport import TLSConfig
 
     c = _certs(tmp_path)
     host = ModelHost(str(tiny_model), progress=False)
@@ -351,7 +352,8 @@ def test_tls_and_mutual_tls(tiny_model, tmp_path):
 
 def test_message_size_limit(tiny_model):
     from kvferry.host import ModelHost
-    from kvferry.server import MAX_MESSAGE, HostServer
+    from kvferry.server import HostServer
+    from kvferry.transport import MAX_MESSAGE
 
     host = ModelHost(str(tiny_model), progress=False)
     srv = HostServer(host, "127.0.0.1:0", token=TOKEN).start()
@@ -363,3 +365,49 @@ def test_message_size_limit(tiny_model):
         host.close()
 
 
+
+
+def _python_blocks(path: Path) -> list[str]:
+    text = path.read_text()
+    return [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+
+
+@pytest.mark.parametrize("doc", ["docs/sdk.md", "README.md"])
+def test_doc_examples_run_as_written(two_hosts, tmp_path, doc):
+    """Every Python example of the doc runs against real hosts; only the two
+    documented addresses are replaced by the test hosts' ports."""
+    a, b = two_hosts
+    blocks = _python_blocks(ROOT / doc)
+    assert blocks, f"{doc} has no python examples"
+    for i, code in enumerate(blocks):
+        code = code.replace("127.0.0.1:50051", a.address).replace("127.0.0.1:50052", b.address)
+        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "KVFERRY_TOKEN": TOKEN})
+        assert r.returncode == 0, f"{doc} example {i + 1} failed:\n{code}\n{r.stderr[-3000:]}"
+
+
+def test_async_client_has_everything_the_client_has(two_hosts):
+    from kvferry import AsyncRemoteSession, RemoteSession, SessionError
+
+    def public(cls):
+        return {n for n in dir(cls) if not n.startswith("_")}
+    assert public(Client) <= public(AsyncClient)
+    assert public(RemoteSession) | {"last"} <= public(AsyncRemoteSession) | {"last"}
+    a, b = two_hosts
+
+    async def run():
+        async with AsyncClient(a.address, TOKEN) as c:
+            h = await c.health()
+            assert h == Client(a.address, TOKEN).health()  # the same fields, the same values
+            assert (await c.hosts())[0]["address"] == a.address
+            s = await c.create_session(max_tokens=6, ignore_eos=True)
+            chunks = [x async for x in s.events("Say hi.")]
+            assert [x.index for x in chunks if x.token >= 0] == list(range(6))
+            assert s.last["finish_reason"] == "length"
+            with pytest.raises(SessionError, match="no turn in progress"):  # the turn ended
+                [x async for x in s.resume(0)]
+            assert (await s.info())["id"] == s.id
+            with pytest.raises(UnknownSessionError):
+                await c.session("nope").info()
+            await s.close()
+    asyncio.run(run())

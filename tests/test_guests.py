@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvferry.guests import GUESTS_DIR
+from kvferry.abi import V1
 from kvferry.guest import GuestEngine, GuestError, GuestLimits, GuestTrap
 
 # A trampoline guest: each export forwards to one host function, so tests can
@@ -57,7 +58,7 @@ HOSTILE = """
 
 @pytest.fixture(scope="module")
 def engine():
-    e = GuestEngine(stack_bytes=512 << 10)
+    e = GuestEngine(V1, stack_bytes=512 << 10)
     yield e
     e.close()
 

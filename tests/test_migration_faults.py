@@ -88,7 +88,7 @@ def test_dropped_connection_resumes_from_the_last_verified_frame(pair, monkeypat
     migration id and the target asks only for what it has not verified."""
     import grpc
 
-    from kvferry import server
+    from kvferry import migration_out as server
 
     a, b = pair
     c, s, twin = conversation(a)
@@ -115,7 +115,7 @@ def test_dropped_connection_resumes_from_the_last_verified_frame(pair, monkeypat
 def test_link_drops_after_the_target_committed(pair, monkeypatch):
     """The commit ack is lost with the link: the source reconnects, the target
     answers that this migration already committed — no second copy, no loss."""
-    from kvferry import server
+    from kvferry import migration_out as server
 
     a, b = pair
     c, s, twin = conversation(a)
@@ -143,7 +143,7 @@ def test_link_drops_after_the_target_committed(pair, monkeypatch):
 def test_live_precopy_in_small_chunks_mid_reply(pair, monkeypatch, mode):
     """Pre-copy in 16-token ranges of each layer, paced, while the reply keeps
     generating: the client's stream neither breaks nor repeats, and equals the twin's."""
-    from kvferry import server
+    from kvferry import migration_out as server
 
     monkeypatch.setattr(server, "PRECOPY_CHUNK", 1)  # -> the 16-token minimum per frame
     a, b = pair
@@ -173,7 +173,7 @@ def test_live_precopy_in_small_chunks_mid_reply(pair, monkeypatch, mode):
 def test_precopy_pace_follows_the_step_time(pair):
     """Without a rate, live pre-copy sends about PRECOPY_STEP_BYTES per decode
     step of the session (measured as it generates), within 5-80 MB/s."""
-    from kvferry.server import PRECOPY_RATE, PRECOPY_STEP_BYTES, precopy_rate
+    from kvferry.migration_out import PRECOPY_RATE, PRECOPY_STEP_BYTES, precopy_rate
 
     a, _ = pair
     c, s, twin = conversation(a)

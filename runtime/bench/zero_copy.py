@@ -30,9 +30,10 @@ def rss_bytes() -> int:
 def run(n: int = 128, reps: int = 100) -> dict:
     import mlx.core as mx
 
+    from ..abi import V1
     from ..guest import GuestEngine, GuestLimits
 
-    engine = GuestEngine()
+    engine = GuestEngine(V1)
     guest = engine.instantiate(engine.compile(GUESTS_DIR / "gemm.wasm"), "gemm",
                                GuestLimits(memory_cap=32 << 20))
     try:

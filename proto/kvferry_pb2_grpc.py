@@ -79,6 +79,11 @@ class SessionsStub:
                 request_serializer=kvferry_dot_proto_dot_kvferry__pb2.Empty.SerializeToString,
                 response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.HostList.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/kvferry.v1.Sessions/Info',
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.SessionRef.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.SessionInfo.FromString,
+                _registered_method=True)
 
 
 class SessionsServicer:
@@ -138,6 +143,15 @@ class SessionsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Info(self, request, context):
+        """One session's info; a session that migrated away answers NOT_FOUND with the
+        error code session_moved and its new host in trailing metadata kvferry-moved-to
+        (Close, Snapshot and Migrate answer the same; Send answers with a moved_to chunk).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +199,11 @@ def add_SessionsServicer_to_server(servicer, server):
                     servicer.ListHosts,
                     request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.Empty.FromString,
                     response_serializer=kvferry_dot_proto_dot_kvferry__pb2.HostList.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.SessionRef.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.SessionInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,6 +459,33 @@ class Sessions:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.Sessions/Info',
+            kvferry_dot_proto_dot_kvferry__pb2.SessionRef.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class MigrationStub:
     """Missing associated documentation comment in .proto file."""
@@ -455,6 +501,11 @@ class MigrationStub:
                 request_serializer=kvferry_dot_proto_dot_kvferry__pb2.MigrationMessage.SerializeToString,
                 response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.MigrationAck.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/kvferry.v1.Migration/Status',
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.MigrationRef.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.MigrationAck.FromString,
+                _registered_method=True)
 
 
 class MigrationServicer:
@@ -466,12 +517,25 @@ class MigrationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """After a commit whose answer was lost: "committed", or "aborted" (and from then
+        on it never commits that migration id): the source's copy is then the only one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MigrationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Transfer': grpc.stream_stream_rpc_method_handler(
                     servicer.Transfer,
                     request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.MigrationMessage.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.MigrationAck.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.MigrationRef.FromString,
                     response_serializer=kvferry_dot_proto_dot_kvferry__pb2.MigrationAck.SerializeToString,
             ),
     }
@@ -501,6 +565,33 @@ class Migration:
             target,
             '/kvferry.v1.Migration/Transfer',
             kvferry_dot_proto_dot_kvferry__pb2.MigrationMessage.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.MigrationAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.Migration/Status',
+            kvferry_dot_proto_dot_kvferry__pb2.MigrationRef.SerializeToString,
             kvferry_dot_proto_dot_kvferry__pb2.MigrationAck.FromString,
             options,
             channel_credentials,

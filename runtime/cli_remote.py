@@ -47,7 +47,12 @@ def cmd_serve(a) -> int:
     from .cluster import serve
     from .paths import ensure_token
 
+    from .addresses import split
+
     bind = f"{a.bind}:{a.port}"
+    peers = tuple(p.strip() for p in (a.peers or "").split(",") if p.strip())
+    for addr in (*peers, *([a.advertise] if a.advertise else [])):
+        split(addr)  # HOST:PORT, or one line naming it
     token = ensure_token(a.token, a.no_auth)
     if a.cpus:
         if not hasattr(os, "sched_setaffinity"):
@@ -71,7 +76,8 @@ def cmd_serve(a) -> int:
 
     serve(a.model, bind, token, address=a.address, allow_no_auth=a.no_auth, tls=_tls(a),
           client_tls=_tls(a, "peer_tls"), ready=ready,
-          max_kv_bytes=int(a.max_kv_mb * 1e6) if a.max_kv_mb else None)
+          max_kv_bytes=int(a.max_kv_mb * 1e6) if a.max_kv_mb else None, advertise=a.advertise,
+          peers=peers)
     return 0
 
 
@@ -156,6 +162,11 @@ def register(sub, add: Callable) -> None:
     sv.add_argument("--model")
     sv.add_argument("--bind", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=int, default=50051)
+    sv.add_argument("--advertise", metavar="HOST:PORT", help="the address clients and peers dial (default: "
+                    "the bind address, or with --bind 0.0.0.0 the address of the interface that routes to the "
+                    "peers; never loopback)")
+    sv.add_argument("--peers", metavar="HOST:PORT[,...]", help="hosts this one may hand its sessions to "
+                    "(drain; later the only allowed migration targets)")
     sv.add_argument("--token", help="shared secret (default: $KVFERRY_TOKEN or $KVFERRY_HOME/token)")
     sv.add_argument("--no-auth", action="store_true", help="no token (loopback addresses only)")
     sv.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or an embedded Ray)")

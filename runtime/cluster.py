@@ -89,7 +89,8 @@ def controller() -> Any:
 class SessionHost:
     def __init__(self, model: str | None, bind: str, token: str | None, allow_no_auth: bool = False,
                  tls: dict | None = None, client_tls: dict | None = None, dtype: str = "auto",
-                 max_kv_bytes: int | None = None) -> None:
+                 max_kv_bytes: int | None = None, advertise: str | None = None,
+                 peers: tuple[str, ...] = ()) -> None:
         from .host import ModelHost, warmup
         from .server import HostServer
         from .transport import TLSConfig
@@ -102,7 +103,7 @@ class SessionHost:
         self.srv = HostServer(self.host, bind, token=token, allow_no_auth=allow_no_auth,
                               tls=TLSConfig(**tls) if tls else None,
                               client_tls=TLSConfig(**client_tls) if client_tls else None,
-                              directory=self.ctl, node=node).start()
+                              directory=self.ctl, node=node, advertise=advertise, peers=peers).start()
         ray.get(self.ctl.register_host.remote(self.srv.address, self.host.lm.name, node))
         self._stop = threading.Event()
         threading.Thread(target=self._beat, daemon=True).start()
@@ -176,7 +177,7 @@ def init_ray(address: str | None = None) -> bool:
 
 def start_host(model: str | None, bind: str, token: str | None, *, allow_no_auth: bool = False,
                tls: dict | None = None, client_tls: dict | None = None, node_id: str | None = None,
-               max_kv_bytes: int | None = None):
+               max_kv_bytes: int | None = None, advertise: str | None = None, peers: tuple[str, ...] = ()):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     controller()
@@ -184,17 +185,19 @@ def start_host(model: str | None, bind: str, token: str | None, *, allow_no_auth
     actor = SessionHost.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         runtime_env={"env_vars": blas.worker_env()},
-    ).remote(model, bind, token, allow_no_auth, tls, client_tls, max_kv_bytes=max_kv_bytes)
+    ).remote(model, bind, token, allow_no_auth, tls, client_tls, max_kv_bytes=max_kv_bytes, advertise=advertise,
+             peers=peers)
     return actor, ray.get(actor.address.remote())
 
 
 def serve(model: str | None, bind: str, token: str | None, *, address: str | None = None,
           allow_no_auth: bool = False, tls: dict | None = None, client_tls: dict | None = None,
-          ready: Any = None, max_kv_bytes: int | None = None) -> None:
+          ready: Any = None, max_kv_bytes: int | None = None, advertise: str | None = None,
+          peers: tuple[str, ...] = ()) -> None:
     """Run one session host on this node until SIGINT/SIGTERM."""
     own = init_ray(address)
     actor, addr = start_host(model, bind, token, allow_no_auth=allow_no_auth, tls=tls, client_tls=client_tls,
-                             max_kv_bytes=max_kv_bytes)
+                             max_kv_bytes=max_kv_bytes, advertise=advertise, peers=peers)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -60,6 +60,16 @@ class UnknownSessionError(SessionError):
     code, status = "unknown_session", "NOT_FOUND"
 
 
+class SessionMovedError(UnknownSessionError):
+    """The session migrated away from this host; ``moved_to`` says where (the SDK
+    follows it; a client that does not know the code sees an unknown session)."""
+    code, status = "session_moved", "NOT_FOUND"
+
+    def __init__(self, message: str, moved_to: str = ""):
+        super().__init__(message)
+        self.moved_to = moved_to
+
+
 class SessionExistsError(SessionError):
     """A session of that id is already on that host."""
     code, status = "session_exists", "ALREADY_EXISTS"
@@ -139,6 +149,8 @@ def remote(cls: type[KvferryError], message: str) -> RemoteError:
     """The exception the SDK raises for a host's ``cls``: both ``cls`` and RemoteError."""
     if issubclass(cls, RemoteError):
         return cls(message)
+    if cls is SessionMovedError or issubclass(cls, SessionMovedError):
+        cls = SessionMovedError
     r = _remote.get(cls)
     if r is None:
         r = _remote[cls] = type(cls.__name__, (RemoteError, cls), {"__module__": __name__,

@@ -10,7 +10,7 @@ from typing import Any
 
 from .checkpoint.frames import FrameDecoder
 from .checkpoint.restore import Restorer
-from .errors import KvferryError, ModelMismatchError, SessionExistsError
+from .errors import KvferryError, MigrationError, ModelMismatchError, SessionExistsError
 from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
 from .slots import Slot, TurnFeed
@@ -28,19 +28,37 @@ class Incoming:
     decoder: FrameDecoder = field(default_factory=FrameDecoder)
     next_seq: int = 0
     prepared: Any = None
-    started: float = field(default_factory=time.monotonic)
+    touched: float = field(default_factory=time.monotonic)  # last message: a live migration may run long
 
 
 def expire(srv: Any, now: float) -> None:
-    """Drop incoming migrations and committed ids older than PREPARED_TTL."""
+    """Drop incoming migrations idle for PREPARED_TTL (never one still sending:
+    a live pre-copy can take minutes), and old committed/aborted ids. A dropped
+    one is marked aborted, so a late commit is refused, not half-applied."""
     with srv.registry_lock:
-        stale = [k for k, v in srv.incoming.items() if now - v.started > PREPARED_TTL]
-        for k in stale:
-            inc = srv.incoming.pop(k)
-            if inc.prepared is not None:
-                inc.prepared.close()
-        for k in [k for k, t in srv.committed.items() if now - t > PREPARED_TTL]:
-            del srv.committed[k]
+        for k in [k for k, v in srv.incoming.items() if now - v.touched > PREPARED_TTL]:
+            _abandon(srv, k, now)
+        for done in (srv.committed, srv.aborted):
+            for k in [k for k, t in done.items() if now - t > 10 * PREPARED_TTL]:
+                del done[k]
+
+
+def _abandon(srv: Any, mid: str, now: float) -> None:
+    """(registry lock held) Forget an incoming migration for good."""
+    inc = srv.incoming.pop(mid, None)
+    if inc is not None and inc.prepared is not None:
+        inc.prepared.close()
+    srv.aborted[mid] = now
+
+
+def status(srv: Any, mid: str) -> str:
+    """The answer to a source asking after a lost commit ack: committed, or
+    aborted from now on (a commit arriving later is refused)."""
+    with srv.registry_lock:
+        if mid in srv.committed:
+            return "committed"
+        _abandon(srv, mid, time.monotonic())
+        return "aborted"
 
 
 class MigrationTarget(pbg.MigrationServicer):
@@ -52,10 +70,13 @@ class MigrationTarget(pbg.MigrationServicer):
     def Transfer(self, request_iterator, context):
         srv = self.srv
         inc: Incoming | None = None
+        mid = ""
         acked_seq, unacked = 0, 0
         try:
             for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
+                if inc is not None:
+                    inc.touched = time.monotonic()
                 if kind == "begin":
                     b = msg.begin
                     if b.fingerprint != srv.host.lm.fingerprint:
@@ -66,6 +87,8 @@ class MigrationTarget(pbg.MigrationServicer):
                         yield pb.MigrationAck(state="running", next_seq=0, session_id=b.session_id)
                         continue
                     with srv.registry_lock:
+                        if b.migration_id in srv.aborted:
+                            raise MigrationError(f"migration {b.migration_id} was abandoned here; start again")
                         inc = srv.incoming.get(b.migration_id)
                         if inc is None:
                             if b.session_id in srv.host.sessions:
@@ -101,16 +124,24 @@ class MigrationTarget(pbg.MigrationServicer):
                 elif kind == "commit":
                     if inc is None or inc.prepared is None:
                         raise KvferryError("commit before a verified restore")
-                    try:
-                        srv.host.adopt(inc.prepared)
-                    except SessionExistsError:
-                        inc.prepared = None  # adopt closed it
-                        raise
-                    with srv.registry_lock:
+                    with srv.registry_lock:  # the check and the adoption at once: commit is idempotent
+                        feed = None
+                        if mid in srv.committed:  # a re-sent commit (the link was replaced meanwhile)
+                            yield pb.MigrationAck(state="committed", next_seq=inc.next_seq, session_id=inc.session_id)
+                            yield pb.MigrationAck(state="running", next_seq=inc.next_seq, session_id=inc.session_id)
+                            inc = None
+                            continue
+                        if mid in srv.aborted or srv.incoming.get(mid) is not inc:
+                            raise MigrationError(f"migration {mid} was abandoned here (idle too long, or the "
+                                                 "source asked); not committed")
+                        try:
+                            srv.host.adopt(inc.prepared)
+                        except SessionExistsError:
+                            inc.prepared = None  # adopt closed it
+                            raise
                         srv.incoming.pop(mid, None)
                         srv.moved.pop(inc.session_id, None)
                         srv.committed[mid] = time.monotonic()
-                        feed = None
                         if inc.prepared.turn is not None:  # it moved mid-reply: generate on now
                             slot = srv.slots.setdefault(inc.session_id, Slot())
                             slot.lock.acquire()
@@ -136,3 +167,6 @@ class MigrationTarget(pbg.MigrationServicer):
                 with srv.registry_lock:
                     srv.incoming = {k: v for k, v in srv.incoming.items() if v is not inc}
             abort(context, e)
+
+    def Status(self, ref, context):
+        return pb.MigrationAck(state=status(self.srv, ref.migration_id), session_id=ref.session_id)

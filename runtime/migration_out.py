@@ -16,14 +16,15 @@ from typing import Any, Callable, Iterable
 import grpc
 
 from .checkpoint.snapshot import Snapshotter
-from .errors import CheckpointError, KvferryError, MigrationError
+from .errors import CODES, AuthError, HostDownError, KvferryError, MigrationError, RemoteError
 from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
 from .slots import Slot
-from .transport import auth_metadata, channel
+from .transport import ERROR_KEY, auth_metadata, channel, translate
 
 WINDOW_FRAMES = 256  # unacknowledged checkpoint frames in flight ...
 WINDOW_BYTES = 32 << 20  # ... and bytes: big KV frames are paced, small final ones are not
+IN_DOUBT_S = 30.0  # s: how long a source asks a silent target about a sent commit before it says so
 RUNNING_WAIT = 5.0  # s: how long a source keeps a moved session's memory for the target's first token
 PRECOPY_STEP_BYTES = 3 << 20  # live pre-copy default: ~3 MB of KV per step of the generating session
 PRECOPY_RATE = 40e6  # ... and 40 MB/s while it is not generating
@@ -51,8 +52,31 @@ class MigrationTicket:
     final_delta: int = 4  # pause once fewer tokens than this remain to send
     rate: float = 0.0  # pre-copy: bytes of KV per second at most (0: see precopy_rate)
     progress: "queue.Queue[Any]" = field(default_factory=queue.Queue)
-    error: str | None = None
+    error: KvferryError | None = None
     pause_ms: float = 0.0
+    fenced: bool = False  # a commit in doubt: the session waits, paused, for the target's answer
+
+
+class InDoubt(Exception):
+    """The commit was sent and neither "committed" nor a refusal came back."""
+
+
+def _coded(e: grpc.RpcError) -> bool:
+    """The target itself refused (its error code came back): a definite answer."""
+    try:
+        return any(k == ERROR_KEY for k, _ in (e.trailing_metadata() or ()))
+    except Exception:
+        return False
+
+
+def target_refused(e: grpc.RpcError, target: str) -> KvferryError:
+    """The target's refusal for our client: the class its code names (a model
+    mismatch or a full host stays one), else MigrationError. Either way the
+    session stays here."""
+    cls = CODES.get(translate(e, target).code)
+    if cls is None or cls in (KvferryError, RemoteError, AuthError, HostDownError):
+        cls = MigrationError
+    return cls(f"migration to {target} failed: {e.details() or e.code().name.lower()}")
 
 
 class MigrationSource:
@@ -70,9 +94,9 @@ class MigrationSource:
                 target=t.target, seconds=time.perf_counter() - t0, raw_kv_bytes=sn.raw_kv_bytes,
                 tokens=len(s.history)))
 
-        link = _Link(self, t, s, sid, on_ack=progress)
-        pause = None
+        link = pause = None
         try:
+            link = _Link(self, t, s, sid, on_ack=progress)
             link.send([sn.header()])
             if t.live and sn.incremental:
                 chunk = max(16, PRECOPY_CHUNK // max(1, sn.kv_bytes_per_token() // len(sn.caches)))
@@ -90,27 +114,31 @@ class MigrationSource:
             t_pause = time.perf_counter()
             link.send(list(sn.finish()))
             link.wait_restored()
-            link.commit()
-            pause.committed, pause.target = True, t.target
-            with self.registry_lock:
-                self.moved[sid] = t.target
-                self.slots.pop(sid, None)
-                self.feeds.pop(sid, None)
+            try:
+                link.commit()
+            except InDoubt:
+                # Neither host may run it now: keep it paused here until the target answers.
+                self._fence(sid, slot, pause, link, t, s)
+                pause = link = None
+                raise MigrationError(f"migration to {t.target}: the commit's answer was lost; the session "
+                                     "stays paused here until the target says whether it committed") from None
             t.pause_ms = (time.perf_counter() - t_pause) * 1000
-            self.host.detach(sid)  # listed on the target only from now on
-            self.unpause(slot, pause)  # the client's stream moves on to the target right away
+            self._handed_over(sid, slot, pause, t, s)
             pause = None
             link.wait_running(RUNNING_WAIT)  # off the critical path: after the target's first token
             s.close()
             self.tell_directory("move", sid, self.address, t.target)
         except grpc.RpcError as e:
-            link.abort()
-            raise MigrationError(f"migration to {t.target} failed: {e.details() or e.code().name}") from None
+            if link is not None:
+                link.abort()
+            raise target_refused(e, t.target) from None
         except BaseException:
-            link.abort()
+            if link is not None:
+                link.abort()
             raise
         finally:
-            link.close()
+            if link is not None:
+                link.close()
             if pause is not None:
                 self.unpause(slot, pause)
         t.progress.put(pb.MigrateProgress(bytes_sent=link.bytes, frames_sent=len(link.frames),
@@ -118,15 +146,44 @@ class MigrationSource:
                                           seconds=time.perf_counter() - t0, raw_kv_bytes=sn.raw_kv_bytes,
                                           tokens=len(s.history), pause_ms=t.pause_ms))
 
+    def _handed_over(self, sid: str, slot: Slot, pause: Any, t: MigrationTicket, s: Any) -> None:
+        """The target committed: unlist here, end the client's stream with moved_to."""
+        pause.committed, pause.target = True, t.target
+        with self.registry_lock:
+            self.moved[sid] = (t.target, time.monotonic())
+            self.slots.pop(sid, None)
+            self.feeds.pop(sid, None)
+        self.host.detach(sid)  # listed on the target only from now on
+        self.unpause(slot, pause)  # the client's stream moves on to the target right away
+
+    def _fence(self, sid: str, slot: Slot, pause: Any, link: "_Link", t: MigrationTicket, s: Any) -> None:
+        """A commit in doubt: the session stays paused (fenced) and its slot busy
+        while a thread asks the target until the answer is definite, then either
+        hands it over or lets it run on here. Never on both hosts, never on none."""
+        t.fenced = True
+
+        def settle() -> None:
+            while (committed := link.ask()) is None:
+                time.sleep(1.0)
+            if committed:
+                self._handed_over(sid, slot, pause, t, s)
+                s.close()
+                self.tell_directory("move", sid, self.address, t.target)
+            else:
+                self.unpause(slot, pause)
+            slot.migrating = False
+        threading.Thread(target=settle, daemon=True, name=f"kvferry-fence-{sid}").start()
+
     def run_ticket(self, sid: str, slot: Slot, t: MigrationTicket) -> None:
         try:
             self.migrate_out(sid, slot, t)
-        except (KvferryError, CheckpointError) as e:
-            t.error = str(e)
+        except KvferryError as e:
+            t.error = e
         except Exception as e:  # report, keep serving: the session stays here
-            t.error = f"{type(e).__name__}: {e}"
+            t.error = MigrationError(f"migration to {t.target} failed: {type(e).__name__}: {e}")
         finally:
-            slot.migrating = False
+            if not t.fenced:
+                slot.migrating = False
             t.progress.put(None)
 
 
@@ -226,6 +283,39 @@ class _Link:
             self._next_ack()
 
     def commit(self) -> None:
+        """Commit at the target. Returns once it committed; MigrationError (or the
+        target's own error) when it definitely did not; InDoubt when neither can be
+        told within IN_DOUBT_S (the commit was sent and its answer lost)."""
+        try:
+            self._commit()
+            return
+        except grpc.RpcError as e:
+            if _coded(e):
+                raise target_refused(e, self.t.target) from None
+        except MigrationError:
+            pass  # a closed stream or an odd answer: ask below
+        deadline = time.monotonic() + IN_DOUBT_S
+        while (committed := self.ask()) is None:
+            if time.monotonic() > deadline:
+                raise InDoubt()
+            time.sleep(0.5)
+        if not committed:
+            raise MigrationError(f"migration to {self.t.target} failed: the target did not commit")
+
+    def ask(self) -> bool | None:
+        """The target's word on this migration: True committed, False aborted (it
+        will never commit it now), None no answer."""
+        ch = channel(self.t.target, self.srv.client_tls)
+        try:
+            ack = pbg.MigrationStub(ch).Status(pb.MigrationRef(migration_id=self.mid, session_id=self.sid),
+                                               metadata=auth_metadata(self.t.token or self.srv.token), timeout=5)
+            return {"committed": True, "aborted": False}.get(ack.state)
+        except grpc.RpcError:
+            return None
+        finally:
+            ch.close()
+
+    def _commit(self) -> None:
         self.reqs.put(pb.MigrationMessage(commit=pb.Empty()))
         while True:
             link = self.reqs

@@ -20,9 +20,11 @@ from concurrent import futures
 from typing import Any, Callable, Iterator
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from . import addresses
 from .checkpoint.snapshot import snapshot
-from .errors import ConfigError, GuestError, KvferryError, MigrationError, ModelMismatchError, SessionBusyError
+from .errors import ConfigError, GuestError, KvferryError, ModelMismatchError, SessionBusyError
 from .host import ModelHost
 from .migration_in import Incoming, MigrationTarget, expire
 from .migration_out import MigrationSource, MigrationTicket
@@ -31,6 +33,9 @@ from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
 from .slots import Slot, TurnDriver, TurnFeed
 from .transport import AuthInterceptor, TLSConfig, abort, grpc_options, is_loopback
+
+
+JANITOR_S = 5.0  # s between sweeps of idle incoming migrations and old redirects
 
 
 def _params(r: pb.CreateRequest) -> tuple[SamplingParams, SessionOptions]:
@@ -50,7 +55,10 @@ class HostServer(TurnDriver, MigrationSource):
 
     def __init__(self, host: ModelHost, bind: str = "127.0.0.1:0", *, token: str | None = None,
                  tls: TLSConfig | None = None, client_tls: TLSConfig | None = None,
-                 directory: Any = None, node: str | None = None, allow_no_auth: bool = False):
+                 directory: Any = None, node: str | None = None, allow_no_auth: bool = False,
+                 advertise: str | None = None, peers: tuple[str, ...] = ()):
+        """``advertise``: the HOST:PORT clients and peers dial (default: see
+        kvferry.addresses); ``peers``: the hosts this one may hand sessions to."""
         h, _, _ = bind.rpartition(":")
         if token is None and not (allow_no_auth and is_loopback(h)):
             raise ConfigError("refusing to serve without a token (set --token, or --no-auth on a "
@@ -59,13 +67,15 @@ class HostServer(TurnDriver, MigrationSource):
         self.token = token
         self.tls = tls
         self.client_tls = client_tls  # for outgoing migration connections
+        self.peers = tuple(peers)
         self.directory = directory  # a Ray controller handle (or None)
         self.node = node or socket.gethostname()
         self.slots: dict[str, Slot] = {}
-        self.moved: dict[str, str] = {}  # session id -> where it went
+        self.moved: dict[str, tuple[str, float]] = {}  # session id -> (where it went, when)
         self.incoming: dict[str, Incoming] = {}
         self.feeds: dict[str, TurnFeed] = {}
-        self.committed: dict[str, float] = {}  # migration id -> when (answers a re-sent Begin)
+        self.committed: dict[str, float] = {}  # migration id -> when (answers a re-sent Begin or commit)
+        self.aborted: dict[str, float] = {}  # migration id -> when it was abandoned (never committed after)
         self.registry_lock = threading.Lock()
         self.executor = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvferry-rpc")
         # accept the clients' 20 s keepalive pings during long calls (a prefill of
@@ -76,22 +86,33 @@ class HostServer(TurnDriver, MigrationSource):
         self.server = grpc.server(self.executor, options=options, interceptors=[AuthInterceptor(token)])
         pbg.add_SessionsServicer_to_server(_Sessions(self), self.server)
         pbg.add_MigrationServicer_to_server(MigrationTarget(self), self.server)
+        # grpc.health.v1 for load balancers and probes (no token: it tells only the status)
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if tls is not None and tls.cert:
             port = self.server.add_secure_port(bind, tls.server_credentials())
         else:
             port = self.server.add_insecure_port(bind)
         if port == 0:
             raise ConfigError(f"cannot bind {bind}")
-        self.address = f"{h or '127.0.0.1'}:{port}"
-        if h in ("0.0.0.0", "[::]", ""):
-            self.address = f"{socket.gethostbyname(socket.gethostname())}:{port}"
+        if advertise:
+            addresses.split(advertise)  # HOST:PORT, or a one-line error
+        self.address = advertise or addresses.advertise(h or "127.0.0.1", port, self.peers)
 
     def start(self) -> "HostServer":
         self.server.start()
+        self.set_serving(True)
         threading.Thread(target=self._janitor, daemon=True, name="kvferry-janitor").start()
         return self
 
+    def set_serving(self, serving: bool) -> None:
+        """What grpc.health.v1 answers, for the server and each kvferry service."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", "kvferry.v1.Sessions", "kvferry.v1.Migration"):
+            self.health.set(service, status)
+
     def stop(self, grace: float = 1.0) -> None:
+        self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
         # join the RPC threads now: threads that ran MLX work must not be torn down
         # at interpreter exit (their thread-local MLX state would abort the process)
@@ -99,8 +120,10 @@ class HostServer(TurnDriver, MigrationSource):
 
     def _janitor(self) -> None:
         while True:
-            time.sleep(5)
-            expire(self, time.monotonic())
+            time.sleep(JANITOR_S)
+            now = time.monotonic()
+            expire(self, now)
+            self.forget_moves(now)
 
 
 def _guarded(fn: Callable) -> Callable:
@@ -147,6 +170,7 @@ class _Sessions(pbg.SessionsServicer):
         if guest is not None and guest.kind != "chat":
             raise GuestError("client.wasm: not a chat guest")
         s = h.create_session(guest, sampling, options, r.session_id or None)
+        self.srv.arrived(s.id)
         if r.system:
             s.messages.append({"role": "system", "content": r.system})
         self.srv.tell_directory("register_session", s.id, self.srv.address)
@@ -155,8 +179,8 @@ class _Sessions(pbg.SessionsServicer):
     @_guarded_stream
     def Send(self, r, context):
         srv = self.srv
-        if r.session_id in srv.moved:  # index -1: nothing ran here, send the same request there
-            yield pb.TokenChunk(index=-1, token=-1, moved_to=srv.moved[r.session_id])
+        if (to := srv.where(r.session_id)) is not None and r.session_id not in srv.host.sessions:
+            yield pb.TokenChunk(index=-1, token=-1, moved_to=to)  # index -1: nothing ran here, resend there
             return
         feed = srv.feeds.get(r.session_id)
         if r.continue_turn and feed is not None:
@@ -166,8 +190,8 @@ class _Sessions(pbg.SessionsServicer):
         if not slot.lock.acquire(timeout=60):
             raise SessionBusyError(f"session {r.session_id} is busy (a turn or migration is in progress)")
         try:
-            if r.session_id in srv.moved:  # it left while we waited for the lock
-                yield pb.TokenChunk(index=-1, token=-1, moved_to=srv.moved[r.session_id])
+            if (to := srv.where(r.session_id)) is not None and r.session_id not in srv.host.sessions:
+                yield pb.TokenChunk(index=-1, token=-1, moved_to=to)  # it left while we waited for the lock
                 return
             srv.feeds.pop(r.session_id, None)  # a new request: a driven turn's chunks are history
             s = srv.host.get(r.session_id)
@@ -212,17 +236,18 @@ class _Sessions(pbg.SessionsServicer):
     def Restore(self, request_iterator, context):
         new_id = dict(context.invocation_metadata()).get("kvferry-session-id") or None
         s = self.srv.host.restore((c.data for c in request_iterator), session_id=new_id)
+        self.srv.arrived(s.id)
         self.srv.tell_directory("register_session", s.id, self.srv.address)
         return self.srv.info(s)
 
     @_guarded_stream
     def Migrate(self, r, context):
         srv = self.srv
-        if r.target == srv.address:
-            raise ConfigError(f"session {r.session_id} is already on {r.target}")
         if not 0 <= r.rate_mb_s < 1e6:
             raise ConfigError(f"rate_mb_s must be between 0 and 1e6 MB/s, not {r.rate_mb_s}")
-        slot = srv.slot(r.session_id)
+        slot = srv.slot(r.session_id)  # here, or a redirect to where it went
+        if r.target == srv.address:
+            raise ConfigError(f"session {r.session_id} is already on {r.target}")
         with srv.registry_lock:
             if slot.migrating:
                 raise SessionBusyError(f"session {r.session_id}: a migration is already in progress")
@@ -234,7 +259,7 @@ class _Sessions(pbg.SessionsServicer):
         while (p := t.progress.get()) is not None:
             yield p
         if t.error:
-            raise MigrationError(t.error)
+            raise t.error
 
     @_guarded
     def Close(self, r, context):
@@ -252,6 +277,11 @@ class _Sessions(pbg.SessionsServicer):
             slot.lock.release()
         srv.tell_directory("forget_session", r.session_id)
         return pb.Empty()
+
+    @_guarded
+    def Info(self, r, context):
+        self.srv.slot(r.session_id)  # unknown, or moved: a redirect
+        return self.srv.info(self.srv.host.get(r.session_id))
 
     @_guarded
     def ListSessions(self, r, context):

@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from .errors import UnknownSessionError
+from .errors import SessionMovedError, UnknownSessionError
+
+MOVED_TTL = 600.0  # s: how long a host remembers where a session went (redirects)
 from .proto import kvferry_pb2 as pb
 
 
@@ -72,7 +74,7 @@ class TurnDriver:
     directory: Any
     slots: dict[str, Slot]
     feeds: dict[str, TurnFeed]
-    moved: dict[str, str]
+    moved: dict[str, tuple[str, float]]  # session id -> (where it went, when)
     registry_lock: threading.Lock
 
     def tell_directory(self, method: str, *args) -> Any:
@@ -85,9 +87,27 @@ class TurnDriver:
         except Exception:  # the directory is advisory for routing; never fail a session on it
             return None
 
+    def where(self, sid: str) -> str | None:
+        """Where session ``sid`` went, if it left this host recently."""
+        m = self.moved.get(sid)
+        return m[0] if m is not None and time.monotonic() - m[1] < MOVED_TTL else None
+
+    def forget_moves(self, now: float) -> None:
+        with self.registry_lock:
+            for sid in [k for k, (_, t) in self.moved.items() if now - t >= MOVED_TTL]:
+                del self.moved[sid]
+
+    def arrived(self, sid: str) -> None:
+        """A session of this id is here (again): forget that one of that id left."""
+        with self.registry_lock:
+            self.moved.pop(sid, None)
+
     def slot(self, sid: str) -> Slot:
+        """The session's slot; a session that left answers with where it went."""
         with self.registry_lock:
             if sid not in self.host.sessions:
+                if (to := self.where(sid)) is not None:
+                    raise SessionMovedError(f"session '{sid}' moved to {to}", to)
                 raise UnknownSessionError(f"unknown session '{sid}'")
             return self.slots.setdefault(sid, Slot())
 

@@ -18,6 +18,7 @@ import grpc
 from .errors import CODES, ERROR_KEY, AuthError, HostDownError, KvferryError, RemoteError, remote
 
 MAX_MESSAGE = 64 << 20
+HEALTH_SERVICE = "/grpc.health.v1.Health/"
 
 
 def grpc_options() -> list[tuple[str, int]]:
@@ -76,9 +77,15 @@ def auth_metadata(token: str | None) -> list[tuple[str, str]]:
 
 # ----------------------------------------------------------------------------- errors
 
+MOVED_KEY = "kvferry-moved-to"  # with session_moved: the host the session went to
+
+
 def abort(context: Any, e: KvferryError) -> NoReturn:
     """End the call with ``e``'s status, one-line message and code."""
-    context.set_trailing_metadata(((ERROR_KEY, e.code),))
+    meta = [(ERROR_KEY, e.code)]
+    if getattr(e, "moved_to", ""):
+        meta.append((MOVED_KEY, e.moved_to))
+    context.set_trailing_metadata(tuple(meta))
     context.abort(getattr(grpc.StatusCode, e.status, grpc.StatusCode.UNKNOWN), str(e))
 
 
@@ -87,13 +94,16 @@ def translate(e: grpc.RpcError, address: str) -> RemoteError:
     else one chosen by the status (auth, unreachable), else RemoteError."""
     code, details = e.code(), (e.details() or "")
     try:
-        sent = dict(e.trailing_metadata() or ()).get(ERROR_KEY)
+        meta = dict(e.trailing_metadata() or ())
     except Exception:  # a call that never reached a server has no metadata
-        sent = None
+        meta = {}
+    sent = meta.get(ERROR_KEY)
     if sent == AuthError.code or code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthError(f"{address}: auth failed (missing or wrong token)")
     if sent in CODES:
-        return remote(CODES[sent], f"{address}: {details or sent}")
+        r = remote(CODES[sent], f"{address}: {details or sent}")
+        r.moved_to = meta.get(MOVED_KEY, "")
+        return r
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return HostDownError(f"{address}: host down or unreachable ({code.name.lower()})")
     return RemoteError(f"{address}: {details or code.name.lower()}")
@@ -107,8 +117,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if self.expected is None or handler is None:
-            return handler
+        if self.expected is None or handler is None or details.method.startswith(HEALTH_SERVICE):
+            return handler  # probes carry no token; the health service reveals only the status
         got = dict(details.invocation_metadata).get("authorization", "")
         if hmac.compare_digest(got.encode(), self.expected):
             return handler

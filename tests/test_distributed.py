@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.sdk import AsyncClient, AuthError, Client, ModelMismatchError, RemoteError, UnknownSessionError
+from kvferry import AsyncClient, AuthError, Client, ModelMismatchError, RemoteError, UnknownSessionError
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-123"
@@ -52,13 +52,18 @@ def listener_pids(port: int) -> list[int]:
 class Serve:
     """A `kvferry serve` process (its own embedded Ray cluster)."""
 
-    def __init__(self, *args: str, token: str = TOKEN):
-        self.port = free_port()
+    def __init__(self, *args: str, token: str = TOKEN, machine=None, port: int | None = None):
+        """``machine``: a tests/netns.py Machine to run in (its namespace), bound to
+        every interface there; else loopback on a free port."""
+        self.port = port or (50051 if machine else free_port())
+        self.machine = machine
         env = {**os.environ, "KVFERRY_TOKEN": token}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--port", str(self.port),
-                                      *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        argv = [sys.executable, "-m", "kvferry", "serve", "--port", str(self.port), *args]
+        if machine is not None:
+            argv = machine.cmd(*argv, "--bind", "0.0.0.0")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env, start_new_session=True)
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{machine.ip if machine else '127.0.0.1'}:{self.port}"
         self.log: list[str] = []
         deadline = time.time() + 240
         for line in self.proc.stdout:
@@ -70,11 +75,12 @@ class Serve:
         if self.proc.poll() is not None or not any("kvferry serving on" in l for l in self.log):
             self.stop()
             raise RuntimeError("kvferry serve did not start:\n" + "".join(self.log[-30:]))
+        self.advertised = self.log[-1].split("kvferry serving on ")[1].split()[0]
         threading.Thread(target=lambda: [self.log.append(l) for l in self.proc.stdout], daemon=True).start()
 
     def kill(self) -> None:
         """SIGKILL the process that serves the port (a Ray worker) and the serve group."""
-        for pid in listener_pids(self.port):
+        for pid in ([] if self.machine else listener_pids(self.port)):
             os.kill(pid, signal.SIGKILL)
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
@@ -411,3 +417,51 @@ def test_async_client_has_everything_the_client_has(two_hosts):
                 await c.session("nope").info()
             await s.close()
     asyncio.run(run())
+
+
+def test_every_per_session_call_follows_a_move(two_hosts, tmp_path):
+    """After a migration, a handle or client still pointed at the source reaches the
+    session for Close, Snapshot, Migrate and info (the source answers
+    session_moved with the new host); reusing the id on the source clears it."""
+    from kvferry.errors import SessionMovedError
+
+    a, b = two_hosts
+    c = Client(a.address, TOKEN)
+    s = c.create_session(max_tokens=6)
+    "".join(s.send("Hi!"))
+    Client(a.address, TOKEN).session(s.id).migrate(to=b.address)  # s itself still points at A
+    assert s.host == a.address
+    assert s.info()["host"] == b.address and s.host == b.address  # info followed the redirect
+    stale = c.session(s.id)  # pointed at A again
+    assert stale.snapshot(tmp_path / "s.kvf")["bytes"] > 0 and stale.host == b.address
+    stale = c.session(s.id)
+    stale.migrate(to=a.address)  # Migrate from A is redirected to B, which sends it back to A
+    assert stale.host == a.address and s.info()["host"] == a.address
+    c.session(s.id, host=b.address).close()  # Close at B is redirected to A
+    with pytest.raises(UnknownSessionError) as e:
+        s.info()
+    assert not isinstance(e.value, SessionMovedError)
+    # a moved id that comes back (created anew on the source) is the new session, no redirect
+    t = c.create_session(session_id="reused-id", max_tokens=4)
+    t.migrate(to=b.address)
+    c.session("reused-id", host=b.address).close()
+    again = c.create_session(session_id="reused-id", max_tokens=4)
+    assert again.info()["host"] == a.address and again.host == a.address
+    again.close()
+
+
+def test_standard_health_needs_no_token_and_tells_only_the_status(two_hosts):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    a, _ = two_hosts
+    with grpc.insecure_channel(a.address) as ch:  # a probe: no token at all
+        probe = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "kvferry.v1.Sessions"):
+            r = probe.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            probe.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(AuthError):  # everything else still needs the token
+        Client(a.address, "").health()

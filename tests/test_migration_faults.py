@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kvferry.host import ModelHost
-from kvferry.sdk import Client, RemoteError
+from kvferry import Client, RemoteError
 from kvferry.server import HostServer
 
 TOKEN = "faults"
@@ -191,3 +191,126 @@ def test_precopy_pace_follows_the_step_time(pair):
     assert precopy_rate(Generating) == 5e6
     s.close()
     twin.close()
+
+
+class _LostAnswer(Exception):
+    """A call that failed without a word from the target (no kvferry code): e.g.
+    the stream reset by a middlebox right after the commit went out."""
+
+    def code(self):
+        import grpc
+
+        return grpc.StatusCode.INTERNAL
+
+    def details(self):
+        return "stream reset"
+
+    def trailing_metadata(self):
+        return ()
+
+
+def _lost(grpc_error=True):
+    import grpc
+
+    return type("LostRpc", (_LostAnswer, grpc.RpcError), {})()
+
+
+def test_commit_answer_lost_is_resolved_not_guessed(pair, monkeypatch):
+    """The commit reaches the target, its answer does not. Before: the source took
+    any such error for a refusal and resumed the session, which then ran on both
+    hosts. Now the source asks the target (Status) and hands over: one copy."""
+    from kvferry import migration_out as server
+
+    a, b = pair
+    c, s, twin = conversation(a)
+
+    def lost_answer(self):
+        self.reqs.put(server.pb.MigrationMessage(commit=server.pb.Empty()))
+        deadline = time.time() + 30
+        while s.id not in b.host.sessions and time.time() < deadline:
+            time.sleep(0.01)
+        raise _lost()
+    monkeypatch.setattr(server._Link, "_commit", lost_answer)
+    s.migrate(to=b.address)
+    assert s.id in b.host.sessions and s.id not in a.host.sessions  # exactly once
+    assert s.host == b.address
+    assert "".join(s.send("more")) == "".join(twin.send("more"))
+
+
+def test_commit_lost_before_the_target_is_resolved_to_the_source(pair, monkeypatch):
+    """The commit never reaches the target: asked, it abandons that migration for
+    good (a late commit would be refused), and the session runs on at the source."""
+    from kvferry import migration_out as server
+
+    a, b = pair
+    c, s, twin = conversation(a)
+    links = []
+
+    def never_sent(self):
+        links.append(self)
+        raise _lost()
+    monkeypatch.setattr(server._Link, "_commit", never_sent)
+    with pytest.raises(RemoteError, match="did not commit"):
+        s.migrate(to=b.address)
+    assert s.id in a.host.sessions and s.id not in b.host.sessions and s.host == a.address
+    assert links[0].mid in b.aborted  # the target will never commit it now
+    monkeypatch.undo()
+    assert "".join(s.send("more")) == "".join(twin.send("more"))
+    s.migrate(to=b.address)  # a new migration (a new id) goes through
+    assert s.id in b.host.sessions and s.id not in a.host.sessions
+
+
+def test_target_that_gave_up_refuses_a_late_commit(pair, monkeypatch):
+    """The target drops an incoming migration idle past its TTL. Before: a commit
+    arriving after that registered the session it had closed, and the source
+    dropped its copy (lost on both). Now the late commit is refused and the
+    session stays on the source, intact."""
+    from kvferry import migration_in
+    from kvferry import migration_out as server
+    from kvferry import server as host_server
+
+    a, b = pair
+    c, s, twin = conversation(a)
+    monkeypatch.setattr(migration_in, "PREPARED_TTL", 0.3)
+    monkeypatch.setattr(host_server, "JANITOR_S", 0.05)
+    time.sleep(5.5)  # the janitors' current 5 s naps end: from now on they sweep every 50 ms
+    real = server._Link.wait_restored
+
+    def slow_commit(self):
+        real(self)
+        time.sleep(1.0)  # idle past the target's TTL between "restored" and commit
+    monkeypatch.setattr(server._Link, "wait_restored", slow_commit)
+    with pytest.raises(RemoteError):
+        s.migrate(to=b.address)
+    assert s.id in a.host.sessions and s.id not in b.host.sessions
+    monkeypatch.setattr(server._Link, "wait_restored", real)
+    assert "".join(s.send("more")) == "".join(twin.send("more"))
+
+
+def test_long_live_migration_that_keeps_sending_is_not_expired(pair, monkeypatch):
+    """Expiry is by inactivity, not age: a pre-copy far longer than the TTL,
+    with frames arriving all along, commits."""
+    from kvferry import migration_in
+    from kvferry import migration_out as server
+    from kvferry import server as host_server
+    from kvferry.checkpoint import snapshot
+
+    a, b = pair
+    c, s, twin = conversation(a, max_tokens=40)
+    monkeypatch.setattr(migration_in, "PREPARED_TTL", 0.5)
+    monkeypatch.setattr(host_server, "JANITOR_S", 0.05)
+    time.sleep(5.5)
+    monkeypatch.setattr(server, "PRECOPY_CHUNK", 1)  # 16-token frames
+    real = snapshot.Snapshotter.encode
+
+    def slow(self, extracted, batch=False):
+        for f in real(self, extracted, batch):
+            time.sleep(0.3)  # < TTL between frames, > TTL in all
+            yield f
+    monkeypatch.setattr(snapshot.Snapshotter, "encode", slow)
+    t0 = time.time()
+    s.migrate(to=b.address)
+    assert time.time() - t0 > 1.0
+    assert s.id in b.host.sessions and s.id not in a.host.sessions
+    monkeypatch.undo()
+    assert "".join(s.send("more")) == "".join(twin.send("more"))

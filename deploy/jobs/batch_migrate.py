@@ -23,7 +23,7 @@ import time
 import ray
 
 from kvferry import cluster
-from kvferry.sdk import Client
+from kvferry import Client
 
 QUESTIONS = [
     "What is the capital of France?", "Name three colors.", "What is 2 + 2?",

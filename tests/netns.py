@@ -1,0 +1,84 @@
+"""Several "machines" on one Linux box: network namespaces on a bridge.
+
+``Net(n)`` makes a bridge in the root namespace (the user's laptop, address
+``.1``) and ``n`` namespaces, each with its own address on it (``.2``, ``.3``,
+…) and its own loopback. Everything is named after a random tag and removed by
+``close()`` (namespaces first: that deletes their veth pairs too). Traffic goes
+only to these addresses. Root is required; ``available()`` says why not.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+
+
+def available() -> str | None:
+    """None if namespaces can be made here, else a one-line reason."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "network namespaces need iproute2 (`ip`)"
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+class Machine:
+    def __init__(self, ns: str, ip: str, veth: str):
+        self.ns, self.ip, self.veth = ns, ip, veth
+
+    def cmd(self, *argv: str) -> list[str]:
+        """``argv`` run inside this machine's namespace."""
+        return ["ip", "netns", "exec", self.ns, *argv]
+
+    def link(self, up: bool) -> None:
+        """Cut or restore this machine's cable (its end of the veth pair)."""
+        _ip("-n", self.ns, "link", "set", self.veth, "up" if up else "down")
+
+
+class Net:
+    def __init__(self, n: int = 2):
+        if (why := available()) is not None:
+            raise RuntimeError(why)
+        self.tag = secrets.token_hex(2)
+        self.subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
+        self.bridge = f"kvb{self.tag}"
+        self.gateway = f"{self.subnet}.1"  # the root namespace: the user's laptop
+        self.machines: list[Machine] = []
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for i in range(n):
+                ns, host_end, ns_end = f"kvf{self.tag}{i}", f"kvh{self.tag}{i}", f"kvn{self.tag}{i}"
+                _ip("netns", "add", ns)
+                self.machines.append(Machine(ns, f"{self.subnet}.{i + 2}", ns_end))
+                _ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
+                _ip("link", "set", ns_end, "netns", ns)
+                _ip("link", "set", host_end, "master", self.bridge, "up")
+                _ip("-n", ns, "addr", "add", f"{self.subnet}.{i + 2}/24", "dev", ns_end)
+                _ip("-n", ns, "link", "set", ns_end, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for m in self.machines:
+            _ip("netns", "del", m.ns, check=False)
+        _ip("link", "del", self.bridge, check=False)
+        self.machines = []
+
+    def __enter__(self) -> "Net":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -84,6 +84,11 @@ class SessionsStub:
                 request_serializer=kvferry_dot_proto_dot_kvferry__pb2.SessionRef.SerializeToString,
                 response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.SessionInfo.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvferry.v1.Sessions/Drain',
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.DrainReply.FromString,
+                _registered_method=True)
 
 
 class SessionsServicer:
@@ -152,6 +157,14 @@ class SessionsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Stop taking sessions (grpc.health.v1 says NOT_SERVING), move every session to
+        a peer by live migration, save what no peer takes; with exit, the host then stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -204,6 +217,11 @@ def add_SessionsServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.SessionRef.FromString,
                     response_serializer=kvferry_dot_proto_dot_kvferry__pb2.SessionInfo.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.DrainRequest.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.DrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -476,6 +494,33 @@ class Sessions:
             '/kvferry.v1.Sessions/Info',
             kvferry_dot_proto_dot_kvferry__pb2.SessionRef.SerializeToString,
             kvferry_dot_proto_dot_kvferry__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.Sessions/Drain',
+            kvferry_dot_proto_dot_kvferry__pb2.DrainRequest.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .errors import (AuthError, CheckpointError, ConfigError, GuestError, GuestTrap, HostDownError,  # noqa: F401
-                     KvferryError, MigrationError, ModelMismatchError, ModelNotFoundError, OutOfMemoryError,
-                     PromptTooLongError, RemoteError, SessionBusyError, SessionError, UnknownSessionError)
+                     HostDrainingError, KvferryError, MigrationError, ModelMismatchError, ModelNotFoundError,
+                     OutOfMemoryError, PromptTooLongError, RemoteError, SessionBusyError, SessionError,
+                     SessionExistsError, SessionMovedError, UnknownSessionError)
 
 __version__ = "0.1.0"
 
@@ -32,4 +33,4 @@ def __getattr__(name: str) -> Any:
 __all__ = [*_SDK, "__version__", "KvferryError", "RemoteError", "AuthError", "HostDownError",
            "UnknownSessionError", "ModelMismatchError", "SessionError", "SessionBusyError", "PromptTooLongError",
            "ConfigError", "GuestError", "GuestTrap", "CheckpointError", "OutOfMemoryError", "MigrationError",
-           "ModelNotFoundError"]
+           "ModelNotFoundError", "HostDrainingError", "SessionExistsError", "SessionMovedError"]

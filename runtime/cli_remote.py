@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Callable
 
+from .params import DRAIN_TIMEOUT
 from .console import print_json
 from .errors import KvferryError
-from .params import MIGRATE_DEFAULTS, MIGRATE_MODES
+from .params import MIGRATE_DEFAULTS, MIGRATE_MODES  # noqa: I001
 
 DEFAULT_HOST = "127.0.0.1:50051"
 
@@ -74,10 +76,16 @@ def cmd_serve(a) -> int:
               f"auth {'off' if token is None else 'token'}, "
               f"TLS {'mutual' if a.tls_ca and a.tls_cert else 'on' if a.tls_cert else 'off'})", flush=True)
 
+    def report(o: dict) -> None:
+        print(f"kvferry: session {o['session']}: {o['outcome']} {o['where']} {o['error']}".rstrip(),
+              file=sys.stderr, flush=True)
+
+    if a.drain_timeout <= 0:
+        raise KvferryError(f"--drain-timeout must be positive, not {a.drain_timeout}")
     serve(a.model, bind, token, address=a.address, allow_no_auth=a.no_auth, tls=_tls(a),
-          client_tls=_tls(a, "peer_tls"), ready=ready,
+          client_tls=_tls(a, "peer_tls"), ready=ready, report=report,
           max_kv_bytes=int(a.max_kv_mb * 1e6) if a.max_kv_mb else None, advertise=a.advertise,
-          peers=peers)
+          peers=peers, drain_dir=a.drain_dir or "", drain_timeout=a.drain_timeout)
     return 0
 
 
@@ -157,6 +165,20 @@ def client_args(sp):
     sp.add_argument("--json", action="store_true")
 
 
+def cmd_drain(a) -> int:
+    if a.timeout < 0:
+        raise KvferryError(f"--timeout must be positive, not {a.timeout}")
+    rows = _client(a).drain(timeout=a.timeout, exit=not a.keep_running)
+    if a.json:
+        print_json(rows)
+    else:
+        for r in rows:
+            print(f"{r['session']}: {r['outcome']} {r['where']} {r['error']}".rstrip())
+        print(f"drained {sum(r['outcome'] != 'failed' for r in rows)} of {len(rows)} sessions"
+              + ("" if a.keep_running else "; the host stops"))
+    return 0 if all(r["outcome"] != "failed" for r in rows) else 1
+
+
 def register(sub, add: Callable) -> None:
     sv = add(sub, "serve", cmd_serve, "run a session host on this machine (Ray + gRPC)")
     sv.add_argument("--model")
@@ -166,7 +188,12 @@ def register(sub, add: Callable) -> None:
                     "the bind address, or with --bind 0.0.0.0 the address of the interface that routes to the "
                     "peers; never loopback)")
     sv.add_argument("--peers", metavar="HOST:PORT[,...]", help="hosts this one may hand its sessions to "
-                    "(drain; later the only allowed migration targets)")
+                    "(drain; later the only allowed migration targets). Default: the cluster's healthy hosts")
+    sv.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT, metavar="S",
+                    help=f"SIGTERM or `kvferry drain` moves every session to a peer within S seconds "
+                         f"(default {DRAIN_TIMEOUT:g}: inside systemd's and launchd's stop timeouts in deploy/)")
+    sv.add_argument("--drain-dir", metavar="DIR", help="where a drain saves the sessions no peer takes; they "
+                    "are restored when a host starts with it (default: $KVFERRY_HOME/drain/<address>)")
     sv.add_argument("--token", help="shared secret (default: $KVFERRY_TOKEN or $KVFERRY_HOME/token)")
     sv.add_argument("--no-auth", action="store_true", help="no token (loopback addresses only)")
     sv.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or an embedded Ray)")
@@ -196,3 +223,9 @@ def register(sub, add: Callable) -> None:
     mode.add_argument("--live", action="store_true", help="pre-copy live migration (the default)")
     mode.add_argument("--stop-copy", action="store_true", help="stop-and-copy")
     client_args(mg)
+    dr = add(sub, "drain", cmd_drain, "move every session of a host to its peers (live), then stop it")
+    dr.add_argument("--timeout", type=float, default=0.0, metavar="S", help="bound the drain (default: the "
+                    "host's --drain-timeout)")
+    dr.add_argument("--keep-running", action="store_true", help="leave the host up (draining: it takes no "
+                    "new sessions and health says NOT_SERVING)")
+    client_args(dr)

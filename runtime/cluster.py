@@ -87,10 +87,10 @@ def controller() -> Any:
 
 @ray.remote(num_cpus=1, max_concurrency=8)
 class SessionHost:
-    def __init__(self, model: str | None, bind: str, token: str | None, allow_no_auth: bool = False,
-                 tls: dict | None = None, client_tls: dict | None = None, dtype: str = "auto",
-                 max_kv_bytes: int | None = None, advertise: str | None = None,
-                 peers: tuple[str, ...] = ()) -> None:
+    def __init__(self, model: str | None, bind: str, token: str | None, dtype: str = "auto",
+                 max_kv_bytes: int | None = None, tls: dict | None = None, client_tls: dict | None = None,
+                 **server: Any) -> None:
+        """``server``: HostServer's options (allow_no_auth, advertise, peers, drain_dir, drain_timeout)."""
         from .host import ModelHost, warmup
         from .server import HostServer
         from .transport import TLSConfig
@@ -100,10 +100,9 @@ class SessionHost:
         self.host.preload()
         self.ctl = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
         node = f"{socket.gethostname()}/{ray.get_runtime_context().get_node_id()[:8]}"
-        self.srv = HostServer(self.host, bind, token=token, allow_no_auth=allow_no_auth,
-                              tls=TLSConfig(**tls) if tls else None,
+        self.srv = HostServer(self.host, bind, token=token, tls=TLSConfig(**tls) if tls else None,
                               client_tls=TLSConfig(**client_tls) if client_tls else None,
-                              directory=self.ctl, node=node, advertise=advertise, peers=peers).start()
+                              directory=self.ctl, node=node, **server).start()
         ray.get(self.ctl.register_host.remote(self.srv.address, self.host.lm.name, node))
         self._stop = threading.Event()
         threading.Thread(target=self._beat, daemon=True).start()
@@ -121,6 +120,16 @@ class SessionHost:
     def info(self) -> dict:
         return {"address": self.srv.address, "model": self.host.lm.name, "pid": os.getpid(),
                 "sessions": list(self.host.sessions), "blas": blas.status()["kind"]}
+
+    def restored(self) -> list[dict]:
+        return self.srv.restored
+
+    def drain(self, timeout: float | None = None) -> list[dict]:
+        return self.srv.drain(timeout or self.srv.drain_timeout)
+
+    def finished(self) -> bool:
+        """True once a drain asked this host to stop (``kvferry drain``)."""
+        return self.srv.finished.is_set()
 
     def stop(self) -> None:
         self._stop.set()
@@ -175,9 +184,8 @@ def init_ray(address: str | None = None) -> bool:
     return True
 
 
-def start_host(model: str | None, bind: str, token: str | None, *, allow_no_auth: bool = False,
-               tls: dict | None = None, client_tls: dict | None = None, node_id: str | None = None,
-               max_kv_bytes: int | None = None, advertise: str | None = None, peers: tuple[str, ...] = ()):
+def start_host(model: str | None, bind: str, token: str | None, *, node_id: str | None = None,
+               max_kv_bytes: int | None = None, **server: Any):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     controller()
@@ -185,27 +193,35 @@ def start_host(model: str | None, bind: str, token: str | None, *, allow_no_auth
     actor = SessionHost.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         runtime_env={"env_vars": blas.worker_env()},
-    ).remote(model, bind, token, allow_no_auth, tls, client_tls, max_kv_bytes=max_kv_bytes, advertise=advertise,
-             peers=peers)
+    ).remote(model, bind, token, max_kv_bytes=max_kv_bytes, **server)
     return actor, ray.get(actor.address.remote())
 
 
 def serve(model: str | None, bind: str, token: str | None, *, address: str | None = None,
-          allow_no_auth: bool = False, tls: dict | None = None, client_tls: dict | None = None,
-          ready: Any = None, max_kv_bytes: int | None = None, advertise: str | None = None,
-          peers: tuple[str, ...] = ()) -> None:
-    """Run one session host on this node until SIGINT/SIGTERM."""
+          ready: Any = None, report: Any = None, max_kv_bytes: int | None = None, **server: Any) -> None:
+    """Run one session host on this node until SIGINT/SIGTERM (which drain it
+    first: every session moves to a peer or is saved) or a ``kvferry drain``.
+    ``report(outcome)`` hears of each session restored at start or drained."""
     own = init_ray(address)
-    actor, addr = start_host(model, bind, token, allow_no_auth=allow_no_auth, tls=tls, client_tls=client_tls,
-                             max_kv_bytes=max_kv_bytes, advertise=advertise, peers=peers)
+    actor, addr = start_host(model, bind, token, max_kv_bytes=max_kv_bytes, **server)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    for o in ray.get(actor.restored.remote()):
+        report and report(o)
     if ready:
         ready(addr)
     try:
         while not stop.wait(1.0):
-            pass
+            if ray.get(actor.finished.remote()):  # drained by `kvferry drain`
+                break
+        else:
+            timeout = float(server.get("drain_timeout") or 0) or None
+            try:
+                for o in ray.get(actor.drain.remote(timeout), timeout=(timeout or 60) + 30):
+                    report and report(o)
+            except Exception as e:  # the host goes down regardless; say why the drain did not finish
+                report and report({"session": "*", "outcome": "failed", "where": "", "error": str(e)})
     finally:
         try:
             ray.get(actor.stop.remote(), timeout=10)

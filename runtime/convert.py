@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from .errors import ModelFormatError
 from .gguf import GGUFFile, check_tensor_types, read_header
 

@@ -115,6 +115,11 @@ class MigrationError(KvferryError):
     code, status = "migration_failed", "ABORTED"
 
 
+class HostDrainingError(KvferryError):
+    """The host is draining (stopping): it takes no new sessions; use another."""
+    code, status = "host_draining", "UNAVAILABLE"
+
+
 class RemoteError(KvferryError):
     """The host refused or failed the call; the message says why. Raised by the
     SDK only, mixed into the class the host's ``code`` names."""
@@ -153,6 +158,6 @@ def remote(cls: type[KvferryError], message: str) -> RemoteError:
         cls = SessionMovedError
     r = _remote.get(cls)
     if r is None:
-        r = _remote[cls] = type(cls.__name__, (RemoteError, cls), {"__module__": __name__,
+        r = _remote[cls] = type(cls.__name__, (RemoteError, cls), {"__module__": __name__, "remote_of": cls,
                                                                    "code": cls.code, "status": cls.status})
     return r(message)

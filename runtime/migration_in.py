@@ -79,6 +79,7 @@ class MigrationTarget(pbg.MigrationServicer):
                     inc.touched = time.monotonic()
                 if kind == "begin":
                     b = msg.begin
+                    srv.refuse_if_draining()
                     if b.fingerprint != srv.host.lm.fingerprint:
                         raise ModelMismatchError(f"model mismatch: the target serves '{srv.host.lm.name}' "
                                                  f"({srv.host.lm.fingerprint[:12]}…), the session's model differs")

@@ -30,8 +30,8 @@ from .paths import default_token
 from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
 from .transport import TLSConfig, auth_metadata, channel, translate
-from .wire import (Migration, afollow_moves, create_request, file_chunks, follow_moves, read_health, read_hosts,
-                   read_info, migrate_request, TurnFollower)
+from .wire import (Migration, TurnFollower, afollow_moves, create_request, file_chunks, follow_moves, migrate_request,
+                   read_drain, read_health, read_hosts, read_info)
 
 class _Connection:
     """Address, token, TLS and one channel per host the session visits."""
@@ -87,6 +87,11 @@ class Client(_Connection):
 
     def sessions(self) -> list[dict]:
         return [read_info(s) for s in self._call("ListSessions", pb.Empty()).sessions]
+
+    def drain(self, timeout: float = 0.0, exit: bool = True) -> list[dict]:
+        """Drain this host: every session to a peer (live) or saved; then it stops
+        (``exit``). One outcome per session: moved, saved or failed."""
+        return read_drain(self._call("Drain", pb.DrainRequest(timeout_s=timeout, exit=exit)))
 
     # -- sessions ----------------------------------------------------------------
     def create_session(self, model: str | None = None, guest: str | os.PathLike | bytes | None = None,
@@ -240,6 +245,9 @@ class AsyncClient(_Connection):
 
     async def sessions(self) -> list[dict]:
         return [read_info(s) for s in (await self._call("ListSessions", pb.Empty())).sessions]
+
+    async def drain(self, timeout: float = 0.0, exit: bool = True) -> list[dict]:
+        return read_drain(await self._call("Drain", pb.DrainRequest(timeout_s=timeout, exit=exit)))
 
     async def create_session(self, model: str | None = None, guest: str | os.PathLike | bytes | None = None,
                              *, system: str | None = None, session_id: str | None = None,

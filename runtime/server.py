@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import grpc
@@ -24,16 +25,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from . import addresses
 from .checkpoint.snapshot import snapshot
-from .errors import ConfigError, GuestError, KvferryError, ModelMismatchError, SessionBusyError
+from .drain import DRAIN_TIMEOUT, Drainer
+from .errors import ConfigError, GuestError, HostDrainingError, KvferryError, ModelMismatchError, SessionBusyError
 from .host import ModelHost
 from .migration_in import Incoming, MigrationTarget, expire
 from .migration_out import MigrationSource, MigrationTicket
 from .params import MIGRATE_DEFAULTS, SAMPLING, SamplingParams, SessionOptions
+from .paths import home
 from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
 from .slots import Slot, TurnDriver, TurnFeed
 from .transport import AuthInterceptor, TLSConfig, abort, grpc_options, is_loopback
-
 
 JANITOR_S = 5.0  # s between sweeps of idle incoming migrations and old redirects
 
@@ -50,15 +52,18 @@ def _params(r: pb.CreateRequest) -> tuple[SamplingParams, SessionOptions]:
     return sampling, options
 
 
-class HostServer(TurnDriver, MigrationSource):
+class HostServer(TurnDriver, MigrationSource, Drainer):
     """Serves one ModelHost over gRPC."""
 
     def __init__(self, host: ModelHost, bind: str = "127.0.0.1:0", *, token: str | None = None,
                  tls: TLSConfig | None = None, client_tls: TLSConfig | None = None,
                  directory: Any = None, node: str | None = None, allow_no_auth: bool = False,
-                 advertise: str | None = None, peers: tuple[str, ...] = ()):
+                 advertise: str | None = None, peers: tuple[str, ...] = (), drain_dir: str | None = None,
+                 drain_timeout: float = DRAIN_TIMEOUT):
         """``advertise``: the HOST:PORT clients and peers dial (default: see
-        kvferry.addresses); ``peers``: the hosts this one may hand sessions to."""
+        kvferry.addresses); ``peers``: the hosts this one may hand sessions to;
+        ``drain_dir``: where a drain saves what no peer takes ("": under
+        $KVFERRY_HOME/drain/, per address; None: nowhere)."""
         h, _, _ = bind.rpartition(":")
         if token is None and not (allow_no_auth and is_loopback(h)):
             raise ConfigError("refusing to serve without a token (set --token, or --no-auth on a "
@@ -98,12 +103,23 @@ class HostServer(TurnDriver, MigrationSource):
         if advertise:
             addresses.split(advertise)  # HOST:PORT, or a one-line error
         self.address = advertise or addresses.advertise(h or "127.0.0.1", port, self.peers)
+        self.draining = False
+        self.drain_timeout = drain_timeout
+        self.finished = threading.Event()  # a drain asked the host to stop
+        self.drain_dir = None if drain_dir is None else Path(drain_dir) if drain_dir else \
+            home() / "drain" / self.address.replace(":", "_").replace("[", "").replace("]", "")
+        self.restored: list[dict] = []
 
     def start(self) -> "HostServer":
         self.server.start()
+        self.restored = self.restore_drained()  # sessions a drain of this host saved
         self.set_serving(True)
         threading.Thread(target=self._janitor, daemon=True, name="kvferry-janitor").start()
         return self
+
+    def refuse_if_draining(self) -> None:
+        if self.draining:
+            raise HostDrainingError(f"{self.address} is draining: it takes no new sessions")
 
     def set_serving(self, serving: bool) -> None:
         """What grpc.health.v1 answers, for the server and each kvferry service."""
@@ -165,6 +181,7 @@ class _Sessions(pbg.SessionsServicer):
         h = self.srv.host
         if r.model and r.model not in (h.lm.name, str(h.lm.path)):
             raise ModelMismatchError(f"model mismatch: this host serves '{h.lm.name}', not '{r.model}'")
+        self.srv.refuse_if_draining()
         sampling, options = _params(r)
         guest = h.engine.compile(r.guest_wasm, "client.wasm") if r.guest_wasm else None
         if guest is not None and guest.kind != "chat":
@@ -234,6 +251,7 @@ class _Sessions(pbg.SessionsServicer):
 
     @_guarded
     def Restore(self, request_iterator, context):
+        self.srv.refuse_if_draining()
         new_id = dict(context.invocation_metadata()).get("kvferry-session-id") or None
         s = self.srv.host.restore((c.data for c in request_iterator), session_id=new_id)
         self.srv.arrived(s.id)
@@ -277,6 +295,15 @@ class _Sessions(pbg.SessionsServicer):
             slot.lock.release()
         srv.tell_directory("forget_session", r.session_id)
         return pb.Empty()
+
+    @_guarded
+    def Drain(self, r, context):
+        srv = self.srv
+        out = srv.drain(r.timeout_s or srv.drain_timeout)
+        if r.exit:
+            srv.finished.set()
+        return pb.DrainReply(sessions=[pb.DrainOutcome(session_id=o["session"], outcome=o["outcome"],
+                                                       where=o["where"], error=o["error"]) for o in out])
 
     @_guarded
     def Info(self, r, context):

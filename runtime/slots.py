@@ -135,7 +135,12 @@ class TurnDriver:
                 p.paused.set()
                 p.resume.wait()
                 if p.committed:
-                    yield pb.TokenChunk(index=ev.index + 1, token=-1, moved_to=p.target)
+                    if p.target:
+                        yield pb.TokenChunk(index=ev.index + 1, token=-1, moved_to=p.target)
+                    else:  # saved by a drain: this host stops; the reply resumes where it is restored
+                        yield pb.TokenChunk(index=-1, token=-1, finish_reason="error",
+                                            text="the host stopped and saved this session mid-reply; "
+                                                 "resume() it where it is restored")
                     return
             if not alive():
                 return

@@ -58,6 +58,10 @@ def read_hosts(r: pb.HostList) -> list[dict]:
              "node": h.node, "last_seen": h.last_seen} for h in r.hosts]
 
 
+def read_drain(r: pb.DrainReply) -> list[dict]:
+    return [{"session": o.session_id, "outcome": o.outcome, "where": o.where, "error": o.error} for o in r.sessions]
+
+
 def read_info(s: pb.SessionInfo) -> dict:
     return {"id": s.id, "host": s.host, "tokens": s.tokens, "guest": s.guest, "kv_bytes": s.kv_bytes,
             "arena_bytes": s.arena_bytes, "model": s.model, "in_turn": s.in_turn}

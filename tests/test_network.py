@@ -1,6 +1,7 @@
 """Hosts on their own addresses: each `kvferry serve` in a network namespace on a
 bridge (a "machine"), the test itself in the root namespace (the user's laptop)."""
 
+import json
 import subprocess
 import threading
 import time
@@ -91,3 +92,97 @@ def test_tls_and_mutual_tls_by_ip_address(tiny_model, tmp_path):
             tls.stop()
             mtls.stop()
             host.close()
+
+
+STORY = "Tell me a long story about a lighthouse."
+
+
+def _kvferry(*args: str) -> subprocess.CompletedProcess:
+    import os
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "kvferry", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "KVFERRY_TOKEN": TOKEN})
+
+
+def test_sigterm_drains_every_session_to_a_peer(smollm_dir, tmp_path):
+    """SIGTERM on A (serve --peers B): a reply being generated continues on B
+    with its client following, an idle session is on B with its history, A exits."""
+    import signal
+
+    with netns.Net(2) as net:
+        ma, mb = net.machines
+        b = Serve(machine=mb)
+        a = None
+        try:
+            a = Serve("--peers", b.address, "--drain-dir", str(tmp_path / "a"), machine=ma)
+            ref = Client(b.address, TOKEN)  # the same model, greedy: B's own replies are the reference
+            r1 = ref.create_session(max_tokens=40, ignore_eos=True)
+            want = [x.token for x in r1.events(STORY) if x.token >= 0]
+            r2 = ref.create_session(max_tokens=8)
+            want_first, want_second = "".join(r2.send("Hi!")), "".join(r2.send("And then?"))
+            r1.close()
+            r2.close()
+            c = Client(a.address, TOKEN)
+            s = c.create_session(max_tokens=40, ignore_eos=True)
+            idle = c.create_session(max_tokens=8)
+            assert "".join(idle.send("Hi!")) == want_first
+            chunks = []
+            th = threading.Thread(target=lambda: chunks.extend(s.events(STORY)))
+            th.start()
+            while len(chunks) < 3:
+                time.sleep(0.02)
+            a.proc.send_signal(signal.SIGTERM)
+            th.join(180)
+            assert a.proc.wait(120) == 0
+            assert [x.token for x in chunks if x.token >= 0] == want  # nothing lost, nothing repeated
+            assert s.host == b.address
+            log = "".join(a.log)
+            assert f"session {s.id}: moved {b.address}" in log and f"session {idle.id}: moved {b.address}" in log
+            assert "".join(Client(b.address, TOKEN).session(idle.id).send("And then?")) == want_second
+            assert not list((tmp_path / "a").glob("*.kvf"))  # nothing had to be saved
+        finally:
+            if a is not None:
+                a.stop()
+            b.stop()
+
+
+def test_drain_with_no_peer_saves_and_the_next_start_restores(smollm_dir, tmp_path):
+    """`kvferry drain --keep-running`: health NOT_SERVING, new sessions refused,
+    sessions saved (no peer). `kvferry drain`: the host stops. Started again with
+    the same drain directory, the sessions are back and continue as they would have."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvferry import HostDrainingError  # noqa: F401  (exported by name)
+    from kvferry.errors import HostDrainingError as Draining
+
+    d = tmp_path / "drain"
+    a = Serve("--drain-dir", str(d))
+    a2 = None
+    try:
+        c = Client(a.address, TOKEN)
+        s, twin = c.create_session(max_tokens=12), c.create_session(max_tokens=12)
+        assert "".join(s.send("Hi!")) == "".join(twin.send("Hi!"))
+        r = _kvferry("drain", "--host", a.address, "--keep-running", "--json")
+        assert r.returncode == 0, r.stderr
+        rows = {x["session"]: x for x in json.loads(r.stdout)}
+        assert {rows[s.id]["outcome"], rows[twin.id]["outcome"]} == {"saved"}
+        assert "no peer" in rows[s.id]["error"]
+        assert sorted(p.stem for p in d.glob("*.kvf")) == sorted([s.id, twin.id])
+        with grpc.insecure_channel(a.address) as ch:
+            st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        assert st == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(Draining, match="draining"):
+            c.create_session()
+        r = _kvferry("drain", "--host", a.address)
+        assert r.returncode == 0 and "drained 0 of 0 sessions; the host stops" in r.stdout, r.stdout + r.stderr
+        assert a.proc.wait(120) == 0
+        a2 = Serve("--drain-dir", str(d), port=a.port)
+        assert f"session {s.id}: restored" in "".join(a2.log) and not list(d.glob("*.kvf"))
+        c2 = Client(a2.address, TOKEN)
+        assert "".join(c2.session(s.id).send("And then?")) == "".join(c2.session(twin.id).send("And then?"))
+    finally:
+        a.stop()
+        if a2 is not None:
+            a2.stop()

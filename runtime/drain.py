@@ -1,0 +1,126 @@
+"""Drain: empty a host before it stops, by live migration to its peers.
+
+SIGTERM on ``kvferry serve`` and ``kvferry drain HOST`` both end here. The host
+first says NOT_SERVING (grpc.health.v1) and refuses new sessions, then moves
+every session to a peer (``serve --peers``, else the cluster controller's healthy
+hosts) with live migration: a reply being generated continues on the peer and
+its client follows. A session no peer takes is checkpointed to the drain
+directory and restored when a host with that directory starts again. The whole
+drain is bounded by ``--drain-timeout``; each session's outcome (moved, saved,
+failed) is reported. A session is never in two places or none: a migration
+that fails leaves it here, to be saved.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import KvferryError, SessionBusyError
+from .migration_out import MigrationTicket
+from .params import DRAIN_TIMEOUT, MIGRATE_DEFAULTS
+
+log = logging.getLogger("kvferry.drain")
+
+
+class Drainer:
+    """Mixin of :class:`kvferry.server.HostServer`: draining and the drain directory."""
+
+    host: Any
+    address: str
+    peers: tuple[str, ...]
+    drain_dir: Path | None
+    draining: bool
+
+    def drain_peers(self) -> list[str]:
+        """Where sessions may go: ``--peers``, else the controller's healthy hosts."""
+        if self.peers:
+            return [p for p in self.peers if p != self.address]
+        hosts = self.tell_directory("hosts") or []
+        return [h["address"] for h in hosts if h.get("healthy") and h["address"] != self.address]
+
+    def move(self, sid: str, target: str) -> None:
+        """Migrate one session (live) and wait for the outcome."""
+        slot = self.slot(sid)
+        with self.registry_lock:
+            if slot.migrating:
+                raise SessionBusyError(f"session {sid}: a migration is already in progress")
+            slot.migrating = True
+        t = MigrationTicket(target, None, MIGRATE_DEFAULTS["mode"], live=True)
+        self.run_ticket(sid, slot, t)
+        if t.error is not None:
+            raise t.error
+
+    def drain(self, timeout: float = DRAIN_TIMEOUT) -> list[dict]:
+        """Move every session away (or save it); one outcome per session."""
+        self.draining = True
+        self.set_serving(False)
+        deadline = time.monotonic() + timeout
+        peers = self.drain_peers()
+        outcomes = []
+        for i, sid in enumerate(list(self.host.sessions)):
+            out = {"session": sid, "outcome": "failed", "where": "", "error": ""}
+            for k in range(len(peers)):
+                if time.monotonic() > deadline:
+                    out["error"] = f"drain timeout ({timeout:g} s)"
+                    break
+                peer = peers[(i + k) % len(peers)]  # spread the sessions over the peers
+                try:
+                    self.move(sid, peer)
+                    out.update(outcome="moved", where=peer, error="")
+                    break
+                except KvferryError as e:
+                    out["error"] = str(e)
+            if out["outcome"] != "moved" and sid in self.host.sessions:
+                if not peers:
+                    out["error"] = "no peer to move it to"
+                if self.drain_dir is not None:
+                    try:
+                        out.update(outcome="saved", where=str(self.save_drained(sid)))
+                    except (KvferryError, OSError) as e:
+                        out["error"] = f"{out['error']}; not saved either: {e}".lstrip("; ")
+            (log.info if out["outcome"] != "failed" else log.error)(
+                "drain %s: %s %s %s", sid, out["outcome"], out["where"], out["error"])
+            outcomes.append(out)
+        return outcomes
+
+    def save_drained(self, sid: str) -> Path:
+        """Checkpoint a session (held still between two steps) into the drain directory, then close it."""
+        from .checkpoint.snapshot import save
+
+        self.drain_dir.mkdir(parents=True, exist_ok=True)
+        slot = self.slot(sid)
+        pause = self.pause(sid, slot)
+        try:
+            path = self.drain_dir / f"{sid}.kvf"
+            save(self.host.get(sid), path, "lossless")
+            pause.committed, pause.target = True, ""  # its stream ends with a one-line error
+            with self.registry_lock:
+                self.slots.pop(sid, None)
+                self.feeds.pop(sid, None)
+            self.host.close_session(sid)
+            self.tell_directory("forget_session", sid)
+        finally:
+            self.unpause(slot, pause)
+        return path
+
+    def restore_drained(self) -> list[dict]:
+        """At start: bring back the sessions a drain saved here (each file once)."""
+        out = []
+        if self.drain_dir is None or not self.drain_dir.is_dir():
+            return out
+        for path in sorted(self.drain_dir.glob("*.kvf")):
+            try:
+                s = self.host.load(path)
+                self.arrived(s.id)
+                self.tell_directory("register_session", s.id, self.address)
+                os.unlink(path)
+                out.append({"session": s.id, "outcome": "restored", "where": str(path), "error": ""})
+            except KvferryError as e:  # keep the file for a person to look at
+                path.rename(path.with_suffix(".kvf.failed"))
+                out.append({"session": path.stem, "outcome": "failed", "where": str(path), "error": str(e)})
+            log.info("restore %s: %s", path.name, out[-1]["outcome"])
+        return out

@@ -138,11 +138,11 @@ def cmd_migrate(a) -> int:
     if a.rate < 0:
         raise KvferryError(f"--rate must be positive, not {a.rate}")
     m = s.migrate(a.to, to_token=a.to_token, mode=a.mode, live=not a.stop_copy, rate_mb_s=a.rate,
-                  progress=progress)
+                  allow_lossy=a.allow_lossy, progress=progress)
     bar.close()
     out = {"session": a.session, "target": m.target, "bytes": m.bytes, "seconds": round(m.seconds, 4),
            "raw_kv_bytes": m.raw_kv_bytes, "ratio": round(m.ratio, 3), "tokens": m.tokens,
-           "pause_ms": round(m.pause_ms, 2), "live": not a.stop_copy}
+           "pause_ms": round(m.pause_ms, 2), "live": not a.stop_copy, "mode": m.mode}
     if a.json:
         print_json(out)
     else:
@@ -215,7 +215,9 @@ def register(sub, add: Callable) -> None:
     mg.add_argument("--to", required=True, help="target host address")
     mg.add_argument("--to-token", help="the target's token if it differs")
     mg.add_argument("--mode", default=MIGRATE_DEFAULTS["mode"], choices=MIGRATE_MODES,
-                    help="how the KV travels: raw (default, fast links), lossless (~1.2x smaller), int8/int4")
+                    help="how the KV travels: auto (default: measured on this link, raw or lossless, int8 with "
+                         "--allow-lossy), raw, lossless (~1.2x smaller), int8/int4 (lossy)")
+    mg.add_argument("--allow-lossy", action="store_true", help="let --mode auto pick int8 on slow links")
     mg.add_argument("--rate", type=float, default=0.0, metavar="MB/S",
                     help="live pre-copy: MB/s of KV at most (default 0: about 3 MB per decode step of "
                          "the session, so generation keeps its pace; 40 MB/s if it is not generating)")

@@ -17,6 +17,8 @@ import grpc
 
 from .checkpoint.snapshot import Snapshotter
 from .errors import CODES, AuthError, HostDownError, KvferryError, MigrationError, RemoteError
+from .linkaware import PROBE_BYTES, SAMPLE_BYTES, choose, codec_costs
+from .migration_in import ACK_EVERY_BYTES, ACK_EVERY_FRAMES
 from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
 from .slots import Slot
@@ -55,6 +57,8 @@ class MigrationTicket:
     error: KvferryError | None = None
     pause_ms: float = 0.0
     fenced: bool = False  # a commit in doubt: the session waits, paused, for the target's answer
+    allow_lossy: bool = False  # mode auto may pick int8
+    choice: Any = None  # mode auto: what it measured and chose (kvferry.linkaware.Choice)
 
 
 class InDoubt(Exception):
@@ -87,7 +91,7 @@ class MigrationSource:
         short pause for the last delta and the small state; or stop-and-copy."""
         s = self.host.get(sid)
         t0 = time.perf_counter()
-        sn = Snapshotter(s, t.mode)
+        sn = Snapshotter(s, "raw" if t.mode == "auto" else t.mode)
         def progress() -> None:
             t.progress.put(pb.MigrateProgress(
                 bytes_sent=link.bytes, frames_sent=link.acked, frames_total=len(link.frames),
@@ -98,8 +102,10 @@ class MigrationSource:
         try:
             link = _Link(self, t, s, sid, on_ack=progress)
             link.send([sn.header()])
+            chunk = max(16, PRECOPY_CHUNK // max(1, sn.kv_bytes_per_token() // len(sn.caches)))
+            if t.mode == "auto":
+                t.choice = self._probe_link(s, sn, link, t, chunk)
             if t.live and sn.incremental:
-                chunk = max(16, PRECOPY_CHUNK // max(1, sn.kv_bytes_per_token() // len(sn.caches)))
                 for _ in range(t.max_stages):  # pre-copy: the session keeps generating
                     with self.host.compute:
                         upto = len(s.history)
@@ -144,7 +150,30 @@ class MigrationSource:
         t.progress.put(pb.MigrateProgress(bytes_sent=link.bytes, frames_sent=len(link.frames),
                                           frames_total=len(link.frames), done=True, target=t.target,
                                           seconds=time.perf_counter() - t0, raw_kv_bytes=sn.raw_kv_bytes,
-                                          tokens=len(s.history), pause_ms=t.pause_ms))
+                                          tokens=len(s.history), pause_ms=t.pause_ms, mode=sn.mode))
+
+    def _probe_link(self, s: Any, sn: Snapshotter, link: "_Link", t: MigrationTicket, chunk: int) -> Any:
+        """Mode auto: send the first KV raw and unpaced, time the link by the target's
+        acks and the codecs on that KV, and switch ``sn`` to the cheapest mode."""
+        if not sn.incremental:
+            return choose(0.0, {})  # a rotating cache goes whole at the end: raw
+        with self.host.compute:
+            n = len(s.history)
+        upto = min(n, sn.sent_tokens + max(16, PROBE_BYTES // max(1, sn.kv_bytes_per_token())))
+        sample: list = []
+
+        def tap(pieces):
+            for p in pieces:
+                if p[5] is None and sum(u.nbytes for u, _ in sample) < SAMPLE_BYTES:
+                    sample.extend([(p[3][0].copy(), p[3][1]), (p[4][0].copy(), p[4][1])])
+                yield p
+        t0, sent0 = time.perf_counter(), link.bytes
+        link.send(sn.encode(tap(sn.extract(upto, lock=self.host.compute, chunk=chunk))))
+        wire = link.wait_acked_bytes(sent0, t0)  # MB/s, or 0.0 when too little was sent to tell
+        modes = ("lossless", "int8") if t.allow_lossy else ("lossless",)
+        c = choose(wire, codec_costs(sample, modes) if sample and wire else {})
+        sn.mode = c.mode
+        return c
 
     def _handed_over(self, sid: str, slot: Slot, pause: Any, t: MigrationTicket, s: Any) -> None:
         """The target committed: unlist here, end the client's stream with moved_to."""
@@ -277,6 +306,18 @@ class _Link:
                 done.set()
         threading.Thread(target=read, daemon=True, name="kvferry-running").start()
         done.wait(timeout)
+
+    def wait_acked_bytes(self, since: int, t0: float) -> float:
+        """Read the acks the target owes (it acks every ACK_EVERY_FRAMES frames or
+        ACK_EVERY_BYTES bytes); the rate at which the bytes sent after offset
+        ``since`` were acknowledged, MB/s, or 0.0 when none was."""
+        def owed() -> bool:
+            unacked = self.bytes - (self.ends[self.acked - 1] if self.acked else 0)
+            return len(self.frames) - self.acked >= ACK_EVERY_FRAMES or unacked >= ACK_EVERY_BYTES
+        while owed():
+            self._next_ack()
+        done = (self.ends[self.acked - 1] if self.acked else 0) - since
+        return done / 1e6 / max(time.perf_counter() - t0, 1e-9) if done > 0 else 0.0
 
     def wait_restored(self) -> None:
         while self.state != "restored":

@@ -84,6 +84,6 @@ class SessionOptions(_Params):
 SAMPLING = SamplingParams()
 OPTIONS = SessionOptions()
 
-MIGRATE_MODES = ("raw", "lossless", "int8", "int4")
+MIGRATE_MODES = ("auto", "raw", "lossless", "int8", "int4")
 DRAIN_TIMEOUT = 45.0  # s: inside systemd's default 90 s stop timeout (and the units' own), with Ray's shutdown after
-MIGRATE_DEFAULTS = {"mode": "raw", "live": True, "rate_mb_s": 0.0}
+MIGRATE_DEFAULTS = {"mode": "auto", "live": True, "rate_mb_s": 0.0, "allow_lossy": False}

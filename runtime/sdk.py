@@ -160,18 +160,20 @@ class RemoteSession:
 
     def migrate(self, to: str, *, to_token: str | None = None, mode: str = MIGRATE_DEFAULTS["mode"],
                 live: bool = MIGRATE_DEFAULTS["live"], rate_mb_s: float = MIGRATE_DEFAULTS["rate_mb_s"],
+                allow_lossy: bool = MIGRATE_DEFAULTS["allow_lossy"],
                 progress: Callable[[pb.MigrateProgress], None] | None = None) -> Migration:
         """Move this session to host ``to``. ``live`` (default): pre-copy while the
         reply keeps generating, at most ``rate_mb_s`` MB/s (0: the host paces it at
         about 3 MB per decode step); ``live=False``: stop-and-copy. ``mode``: how KV
-        travels (``raw``: uncompressed, right for LAN/loopback; ``lossless``: ~1.2x
-        fewer bytes for slow links; ``int8``/``int4``: lossy)."""
+        travels: ``auto`` (default) times this link and these CPUs on the first KV
+        and picks the fastest of raw and lossless (and int8 with ``allow_lossy``);
+        or ``raw``, ``lossless`` (~1.2x fewer bytes), ``int8``/``int4`` (lossy)."""
         c = self.client
 
         def attempt(host: str) -> pb.MigrateProgress | None:
             last = None
             try:
-                for p in c._stub(host).Migrate(migrate_request(self.id, to, to_token, mode, live, rate_mb_s),
+                for p in c._stub(host).Migrate(migrate_request(self.id, to, to_token, mode, live, rate_mb_s, allow_lossy),
                                                metadata=c._meta(), timeout=c.timeout):
                     last = p
                     if progress:
@@ -310,13 +312,14 @@ class AsyncRemoteSession:
 
     async def migrate(self, to: str, *, to_token: str | None = None, mode: str = MIGRATE_DEFAULTS["mode"],
                       live: bool = MIGRATE_DEFAULTS["live"], rate_mb_s: float = MIGRATE_DEFAULTS["rate_mb_s"],
+                      allow_lossy: bool = MIGRATE_DEFAULTS["allow_lossy"],
                       progress: Callable[[pb.MigrateProgress], None] | None = None) -> Migration:
         c = self.client
 
         async def attempt(host: str) -> pb.MigrateProgress | None:
             last = None
             try:
-                async for p in c._stub(host).Migrate(migrate_request(self.id, to, to_token, mode, live, rate_mb_s),
+                async for p in c._stub(host).Migrate(migrate_request(self.id, to, to_token, mode, live, rate_mb_s, allow_lossy),
                                                      metadata=c._meta(), timeout=c.timeout):
                     last = p
                     if progress:

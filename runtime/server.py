@@ -30,7 +30,7 @@ from .errors import ConfigError, GuestError, HostDrainingError, KvferryError, Mo
 from .host import ModelHost
 from .migration_in import Incoming, MigrationTarget, expire
 from .migration_out import MigrationSource, MigrationTicket
-from .params import MIGRATE_DEFAULTS, SAMPLING, SamplingParams, SessionOptions
+from .params import MIGRATE_DEFAULTS, MIGRATE_MODES, SAMPLING, SamplingParams, SessionOptions
 from .paths import home
 from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
@@ -270,7 +270,10 @@ class _Sessions(pbg.SessionsServicer):
             if slot.migrating:
                 raise SessionBusyError(f"session {r.session_id}: a migration is already in progress")
             slot.migrating = True
-        t = MigrationTicket(r.target, r.target_token or None, r.mode or MIGRATE_DEFAULTS["mode"], live=r.live,
+        mode = r.mode or MIGRATE_DEFAULTS["mode"]
+        if mode not in MIGRATE_MODES:
+            raise ConfigError(f"unknown migration mode '{mode}' (choose from {', '.join(MIGRATE_MODES)})")
+        t = MigrationTicket(r.target, r.target_token or None, mode, live=r.live, allow_lossy=r.allow_lossy,
                             rate=r.rate_mb_s * 1e6)
         threading.Thread(target=srv.run_ticket, args=(r.session_id, slot, t), daemon=True,
                          name=f"migrate-{r.session_id}").start()

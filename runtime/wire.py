@@ -94,9 +94,9 @@ async def afollow_moves(handle: Any, call: Callable[[str], Any]) -> Any:
     raise RemoteError(f"session {handle.id} kept moving; giving up")
 
 
-def migrate_request(sid: str, to: str, to_token, mode, live, rate_mb_s) -> pb.MigrateRequest:
+def migrate_request(sid: str, to: str, to_token, mode, live, rate_mb_s, allow_lossy=False) -> pb.MigrateRequest:
     return pb.MigrateRequest(session_id=sid, target=to, target_token=to_token or "", mode=mode,
-                             live=live, rate_mb_s=rate_mb_s)
+                             live=live, rate_mb_s=rate_mb_s, allow_lossy=allow_lossy)
 
 
 def file_chunks(path: str | os.PathLike) -> Iterator[pb.CheckpointChunk]:
@@ -113,6 +113,7 @@ class Migration:
     raw_kv_bytes: int
     tokens: int
     pause_ms: float = 0.0
+    mode: str = ""  # how the KV travelled (what auto chose)
 
     @property
     def ratio(self) -> float:
@@ -122,7 +123,7 @@ class Migration:
     def from_progress(cls, session_id: str, to: str, last: pb.MigrateProgress | None) -> "Migration":
         if last is None or not last.done:
             raise RemoteError(f"migration of {session_id} to {to} did not complete")
-        return cls(to, last.bytes_sent, last.seconds, last.raw_kv_bytes, last.tokens, last.pause_ms)
+        return cls(to, last.bytes_sent, last.seconds, last.raw_kv_bytes, last.tokens, last.pause_ms, last.mode)
 
 
 class TurnFollower:

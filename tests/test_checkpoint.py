@@ -1,6 +1,5 @@
 """Checkpoints: exact resume, streaming/appending frames, and hostile files."""
 
-import io
 import json
 import subprocess
 import sys

@@ -4,9 +4,7 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
 
 
 def kvferry(*args, env=None, timeout=600):

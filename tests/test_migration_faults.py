@@ -314,3 +314,26 @@ def test_long_live_migration_that_keeps_sending_is_not_expired(pair, monkeypatch
     assert s.id in b.host.sessions and s.id not in a.host.sessions
     monkeypatch.undo()
     assert "".join(s.send("more")) == "".join(twin.send("more"))
+
+
+def test_mode_auto_measures_the_link_and_stays_bit_exact(pair, monkeypatch):
+    """The default mode, auto: it times the link on the first KV (here every frame
+    is small, so the probe is short) and picks raw or lossless — never a lossy
+    codec unless allowed; the continuation is exact either way."""
+    from kvferry import linkaware
+    from kvferry import migration_out as server
+
+    a, b = pair
+    monkeypatch.setattr(server, "PRECOPY_CHUNK", 1)  # many small frames: acks come during the probe
+    monkeypatch.setattr(linkaware, "PROBE_BYTES", 1)
+    chosen = []
+    real = linkaware.choose
+    monkeypatch.setattr(server, "choose", lambda wire, costs: chosen.append((wire, set(costs))) or real(wire, costs))
+    c, s, twin = conversation(a, max_tokens=24)
+    m = s.migrate(to=b.address)  # mode auto, live
+    assert m.mode in ("raw", "lossless") and chosen and chosen[0][1] <= {"lossless"}
+    assert "".join(s.send("more")) == "".join(twin.send("more"))
+    m = s.migrate(to=a.address, live=False, allow_lossy=True)
+    assert chosen[-1][1] <= {"lossless", "int8"}
+    with pytest.raises(RemoteError, match="unknown migration mode 'fast'"):
+        s.migrate(to=b.address, mode="fast")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import netns
+from kvferry import netns
 from kvferry import Client, RemoteError
 from kvferry.transport import TLSConfig
 from test_distributed import TOKEN, Serve
@@ -186,3 +186,4 @@ def test_drain_with_no_peer_saves_and_the_next_start_restores(smollm_dir, tmp_pa
         a.stop()
         if a2 is not None:
             a2.stop()
+

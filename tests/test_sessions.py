@@ -110,7 +110,7 @@ def test_stop_string_and_max_tokens(host):
 
 
 def test_cache_kinds_and_memory_report(host):
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     kinds = {None: KVCache, 64: RotatingKVCache}
     for ctx, cls in kinds.items():

@@ -42,9 +42,14 @@ def main() -> int:
     a = ap.parse_args()
 
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), namespace=cluster.NAMESPACE)
-    token = os.environ.get("KVFERRY_TOKEN") or secrets.token_urlsafe(24)
+    token = os.environ.get("KVFERRY_TOKEN")
     ctl = cluster.controller()
     hosts = [h for h in ray.get(ctl.hosts.remote()) if h["healthy"]]
+    if hosts and not token:  # hosts started by `kvferry serve` have the fleet's token; so must we
+        print("batch_migrate: the cluster's hosts need the fleet's token: pass KVFERRY_TOKEN to the job "
+              "(ray job submit --runtime-env-json '{\"env_vars\": {\"KVFERRY_TOKEN\": \"...\"}}')")
+        return 2
+    token = token or secrets.token_urlsafe(24)  # only the hosts this job starts itself will use it
     started = []
     if len(hosts) < 2:
         port = a.base_port
@@ -87,7 +92,8 @@ def main() -> int:
             pieces.extend(s.send(q))
         reply = "".join(pieces)
         where = ray.get(ctl.lookup.remote(s.id))
-        results.append({"question": q, "host": s.host, "directory": where, "migrated": migrate,
+        host = s.info()["host"]  # asked, not assumed: a live migration may commit after the reply ended
+        results.append({"question": q, "host": host, "directory": where, "migrated": migrate,
                         "identical": reply == reference,
                         "migration_ms": round(moved.seconds * 1000, 1) if moved else None,
                         "migration_bytes": moved.bytes if moved else None, "reply": reply})

@@ -93,6 +93,23 @@ def cmd_bench_zero_copy(a) -> int:
     return 0
 
 
+def cmd_bench_link(a) -> int:
+    from .link import LINKS, run
+
+    bad = [x for x in a.links if x != "veth" and not x[:-4].replace(".", "").isdigit()]
+    if bad or a.reps < 1 or a.tokens < 16:
+        raise KvferryError(f"--links takes RATE[k|m|g]bit or veth (got {' '.join(bad)}); --reps >= 1; --tokens >= 16"
+                           if bad else f"--reps must be >= 1 and --tokens >= 16, not {a.reps} / {a.tokens}")
+    r = run(a.tokens, tuple(a.links or LINKS), allow_lossy=a.allow_lossy, reps=a.reps,
+            progress=(lambda m: print(m, file=sys.stderr)))
+    if a.json:
+        print_json(r)
+    else:
+        for t in r["links"]:
+            print(t)
+    return 0
+
+
 def register(sub, add: Callable) -> None:
     b = sub.add_parser("bench", help="benchmarks (print JSON with --json)").add_subparsers(
         dest="sub", required=True)
@@ -134,3 +151,10 @@ def register(sub, add: Callable) -> None:
     bz.add_argument("--n", type=int, default=128, help="GEMM size (n x n)")
     bz.add_argument("--reps", type=int, default=100, help="GEMM repetitions per path (median)")
     bz.add_argument("--json", action="store_true")
+    bl = add(b, "link", cmd_bench_link, "migration mode auto vs each fixed mode on tc-shaped links (needs root)")
+    bl.add_argument("--tokens", type=int, default=2048, help="context of the migrated conversation")
+    bl.add_argument("--links", nargs="+", default=["100mbit", "1gbit", "veth"],
+                    help="tc tbf rates (e.g. 100mbit, 1gbit) and/or veth (unshaped)")
+    bl.add_argument("--reps", type=int, default=1, help="migrations per link and mode (the median is reported)")
+    bl.add_argument("--allow-lossy", action="store_true", help="include int8, and let auto pick it")
+    bl.add_argument("--json", action="store_true")

@@ -1,4 +1,5 @@
-"""Several "machines" on one Linux box: network namespaces on a bridge.
+"""Several "machines" on one Linux box: network namespaces on a bridge (for the
+tests and the benchmarks that need real addresses and real, shapeable links).
 
 ``Net(n)`` makes a bridge in the root namespace (the user's laptop, address
 ``.1``) and ``n`` namespaces, each with its own address on it (``.2``, ``.3``,
@@ -27,6 +28,14 @@ def available() -> str | None:
     return None
 
 
+def _bits(rate: str) -> int:
+    """"100mbit" -> 100_000_000 (tc's units: kbit, mbit, gbit)."""
+    for unit, k in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+        if rate.endswith(unit):
+            return int(float(rate[: -len(unit)]) * k)
+    raise ValueError(f"rate '{rate}': expected a number and kbit, mbit or gbit")
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
@@ -42,6 +51,15 @@ class Machine:
     def link(self, up: bool) -> None:
         """Cut or restore this machine's cable (its end of the veth pair)."""
         _ip("-n", self.ns, "link", "set", self.veth, "up" if up else "down")
+
+    def shape(self, rate: str | None) -> None:
+        """Limit what this machine sends to ``rate`` (tc tbf, e.g. "100mbit"); None: unshaped."""
+        base = ["ip", "netns", "exec", self.ns, "tc", "qdisc"]
+        subprocess.run([*base, "del", "dev", self.veth, "root"], capture_output=True, timeout=30)
+        if rate:
+            burst = max(64 << 10, _bits(rate) // 8 // 100)  # ~10 ms of the rate: tbf needs >= rate/HZ
+            subprocess.run([*base, "add", "dev", self.veth, "root", "tbf", "rate", rate, "burst", str(burst),
+                            "latency", "100ms"], check=True, capture_output=True, text=True, timeout=30)
 
 
 class Net:

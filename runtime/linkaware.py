@@ -1,8 +1,9 @@
 """``--mode auto``: choose how KV travels from what this link and these CPUs do now.
 
 A migration starts raw. The first ``PROBE_BYTES`` of KV go out unpaced and the
-source waits for the target to acknowledge them: that is the end-to-end rate of
-raw frames (wire, and the target verifying and landing them). Meanwhile the
+source waits for the target to acknowledge them; the rate between the first and
+the last of those acks is the end-to-end rate of raw frames (wire, and the target
+verifying and landing them), the connection's warm-up left out. Meanwhile the
 codecs are timed on a sample of the same KV, encoding and decoding here (the
 target decodes at about our speed: an assumption, named). The transfer is a
 pipeline — encode, wire, decode overlap frame by frame — so each mode costs its
@@ -21,7 +22,7 @@ import numpy as np
 
 from .checkpoint import codecs
 
-PROBE_BYTES = 8 << 20  # raw KV sent to time the link (less if the session has less)
+PROBE_BYTES = 16 << 20  # raw KV sent to time the link: a few acks' worth (less if the session has less)
 SAMPLE_BYTES = 2 << 20  # KV the codecs are timed on
 
 

@@ -227,6 +227,7 @@ class _Link:
         self.frames: list[bytes] = []
         self.ends: list[int] = []  # bytes sent up to and including each frame
         self.acked = 0
+        self.ack_times: list[tuple[float, int]] = []  # (when, bytes acknowledged): the link's rate
         self.state = ""
         self.reqs: "queue.Queue[Any] | None" = None
         self.acks = None
@@ -267,6 +268,7 @@ class _Link:
             self._reconnect()
             return
         self.acked, self.state = ack.next_seq, ack.state
+        self.ack_times.append((time.perf_counter(), self.ends[self.acked - 1] if self.acked else 0))
         if self.on_ack is not None:
             self.on_ack()
 
@@ -309,15 +311,20 @@ class _Link:
 
     def wait_acked_bytes(self, since: int, t0: float) -> float:
         """Read the acks the target owes (it acks every ACK_EVERY_FRAMES frames or
-        ACK_EVERY_BYTES bytes); the rate at which the bytes sent after offset
-        ``since`` were acknowledged, MB/s, or 0.0 when none was."""
+        ACK_EVERY_BYTES bytes) for what was sent after offset ``since``; the rate
+        between the first and the last of them, MB/s (the start, while HTTP/2's
+        windows and the connection warm up, is left out), or 0.0 when fewer than
+        two acks came."""
         def owed() -> bool:
             unacked = self.bytes - (self.ends[self.acked - 1] if self.acked else 0)
             return len(self.frames) - self.acked >= ACK_EVERY_FRAMES or unacked >= ACK_EVERY_BYTES
+        first = len(self.ack_times)
         while owed():
             self._next_ack()
-        done = (self.ends[self.acked - 1] if self.acked else 0) - since
-        return done / 1e6 / max(time.perf_counter() - t0, 1e-9) if done > 0 else 0.0
+        acks = [a for a in self.ack_times[first:] if a[1] > since]
+        if len(acks) < 2 or acks[-1][0] <= acks[0][0]:
+            return 0.0
+        return (acks[-1][1] - acks[0][1]) / 1e6 / (acks[-1][0] - acks[0][0])
 
     def wait_restored(self) -> None:
         while self.state != "restored":

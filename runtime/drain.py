@@ -7,7 +7,7 @@ hosts) with live migration: a reply being generated continues on the peer and
 its client follows. A session no peer takes is checkpointed to the drain
 directory and restored when a host with that directory starts again. The whole
 drain is bounded by ``--drain-timeout``; each session's outcome (moved, saved,
-failed) is reported. A session is never in two places or none: a migration
+failed, or ended: its client closed it meanwhile) is reported. A session is never in two places or none: a migration
 that fails leaves it here, to be saved.
 """
 
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import KvferryError, SessionBusyError
+from .errors import KvferryError, SessionBusyError, SessionMovedError, UnknownSessionError
 from .migration_out import MigrationTicket
 from .params import DRAIN_TIMEOUT, MIGRATE_DEFAULTS
 
@@ -63,7 +63,8 @@ class Drainer:
         outcomes = []
         for i, sid in enumerate(list(self.host.sessions)):
             out = {"session": sid, "outcome": "failed", "where": "", "error": ""}
-            for k in range(len(peers)):
+            k = 0
+            while k < len(peers):
                 if time.monotonic() > deadline:
                     out["error"] = f"drain timeout ({timeout:g} s)"
                     break
@@ -72,9 +73,19 @@ class Drainer:
                     self.move(sid, peer)
                     out.update(outcome="moved", where=peer, error="")
                     break
+                except SessionMovedError as e:  # another migration took it meanwhile
+                    out.update(outcome="moved", where=e.moved_to, error="")
+                    break
+                except UnknownSessionError:  # its client closed it meanwhile
+                    out.update(outcome="ended", error="")
+                    break
+                except SessionBusyError:  # a migration of it is in flight: its outcome decides
+                    time.sleep(0.2)
+                    continue
                 except KvferryError as e:
                     out["error"] = str(e)
-            if out["outcome"] != "moved" and sid in self.host.sessions:
+                k += 1
+            if out["outcome"] == "failed" and sid in self.host.sessions:
                 if not peers:
                     out["error"] = "no peer to move it to"
                 if self.drain_dir is not None:

@@ -96,3 +96,22 @@ def test_ray_cluster_across_machines_and_a_job_from_the_laptop(smollm_dir):
                 h.stop()
             stop_ray(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_chaos_short_run_keeps_the_invariants():
+    """`kvferry bench chaos`, short: 3 namespace hosts, clients chatting, random live
+    migrations, a cable cut, one host SIGKILLed, one drained. Invariants only:
+    nothing duplicated, nothing lost that was not on the killed host."""
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kvferry", "bench", "chaos", "--duration", "40", "--clients", "4",
+                        "--json"], capture_output=True, text=True, timeout=600)
+    assert r.stdout, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    for key in ("sessions_started", "sessions_completed", "sessions_on_killed_host", "sessions_lost",
+                "sessions_duplicated", "tokens_duplicated", "tokens_lost", "greedy_identical_to_twin"):
+        assert key in out
+    assert out["sessions_started"] > 0 and out["sessions_completed"] > 0
+    assert out["sessions_lost"] == 0 and out["sessions_duplicated"] == 0, out
+    assert out["tokens_duplicated"] == 0 and out["tokens_lost"] == 0, out
+    assert r.returncode == 0, r.stderr[-3000:]

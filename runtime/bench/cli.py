@@ -110,6 +110,20 @@ def cmd_bench_link(a) -> int:
     return 0
 
 
+def cmd_bench_chaos(a) -> int:
+    from .chaos import run
+
+    r = run(a.duration, a.clients, a.seed, progress=(lambda m: print(m, file=sys.stderr)))
+    if a.json:
+        print_json(r)
+    else:
+        for k, v in r.items():
+            print(f"{k:28} {v}")
+    ok = r["sessions_lost"] == 0 and r["sessions_duplicated"] == 0 and r["tokens_duplicated"] == 0 \
+        and r["tokens_lost"] == 0
+    return 0 if ok else 1
+
+
 def register(sub, add: Callable) -> None:
     b = sub.add_parser("bench", help="benchmarks (print JSON with --json)").add_subparsers(
         dest="sub", required=True)
@@ -158,3 +172,9 @@ def register(sub, add: Callable) -> None:
     bl.add_argument("--reps", type=int, default=1, help="migrations per link and mode (the median is reported)")
     bl.add_argument("--allow-lossy", action="store_true", help="include int8, and let auto pick it")
     bl.add_argument("--json", action="store_true")
+    bh = add(b, "chaos", cmd_bench_chaos, "clients chatting while hosts migrate, lose their cable, die and drain "
+             "(3 namespace hosts; needs root)")
+    bh.add_argument("--duration", type=float, default=150.0, help="seconds of chaos (default 150)")
+    bh.add_argument("--clients", type=int, default=8)
+    bh.add_argument("--seed", type=int, default=0)
+    bh.add_argument("--json", action="store_true")

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import ray
 
 from . import blas
+from .errors import ConfigError
 from .paths import ensure_token  # noqa: F401  (re-exported: `kvferry serve` and jobs use it)
 
 NAMESPACE = "kvferry"
@@ -168,6 +169,20 @@ class DemoHost:
                    "generation_tokens": st.generation_tokens if ev.finish_reason else ev.index + 1}
 
 
+def _node_ip(address: str) -> dict:
+    """Join as the node whose address routes to the cluster's GCS: Ray's own guess
+    fails on a machine without a default route (and on several "machines" sharing
+    one box), and then the host's actor would land on another node."""
+    from .addresses import route_source
+
+    host = address.rpartition(":")[0].strip("[]") if ":" in address else ""
+    try:
+        ip = route_source(socket.getaddrinfo(host, None)[0][4][0]) if host else None
+    except OSError:
+        ip = None
+    return {"_node_ip_address": ip} if ip else {}
+
+
 def init_ray(address: str | None = None) -> bool:
     """Connect to a cluster, or start an embedded one bound to loopback. Returns
     True when the Ray instance is ours (embedded)."""
@@ -177,7 +192,14 @@ def init_ray(address: str | None = None) -> bool:
     env = {"env_vars": blas.worker_env()}
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, namespace=NAMESPACE, runtime_env=env, log_to_driver=False)
+        try:
+            ray.init(address=address, namespace=NAMESPACE, runtime_env=env, log_to_driver=False,
+                     **_node_ip(address))
+        except (ConnectionError, RuntimeError) as e:  # a user's setting, not a bug: one line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            hint = " (a cluster with token auth needs RAY_AUTH_MODE=token and its token)" \
+                if "auth" in str(e).lower() else ""
+            raise ConfigError(f"cannot join the Ray cluster at {address}: {first}{hint}") from None
         return False
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, namespace=NAMESPACE,
              runtime_env=env, log_to_driver=False, configure_logging=False)

@@ -48,6 +48,17 @@ class Machine:
         """``argv`` run inside this machine's namespace."""
         return ["ip", "netns", "exec", self.ns, *argv]
 
+    def kill_all(self) -> None:
+        """SIGKILL every process in this machine's namespace (what a power cut does)."""
+        import signal
+
+        pids = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True).stdout.split()
+        for pid in map(int, pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def link(self, up: bool) -> None:
         """Cut or restore this machine's cable (its end of the veth pair)."""
         _ip("-n", self.ns, "link", "set", self.veth, "up" if up else "down")
@@ -90,7 +101,10 @@ class Net:
             raise
 
     def close(self) -> None:
+        """Kill what still runs inside, then remove the namespaces (their veth pairs go
+        with them) and the bridge."""
         for m in self.machines:
+            m.kill_all()
             _ip("netns", "del", m.ns, check=False)
         _ip("link", "del", self.bridge, check=False)
         self.machines = []

@@ -3,9 +3,7 @@ root namespace: the user's laptop."""
 
 import json
 import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -18,26 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=f"{netns.available()}")
 
 
-def stop_ray(temp_root: Path) -> None:
-    """Stop this test's Ray nodes only (`ray stop` would stop every Ray on the
-    machine): the processes whose command line names their temp dirs."""
-    mine = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if str(temp_root).encode() in open(f"/proc/{pid}/cmdline", "rb").read():
-                mine.append(int(pid))
-        except OSError:
-            continue
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in mine:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        time.sleep(2)
-
-
-def test_ray_cluster_across_machines_and_a_job_from_the_laptop(smollm_dir):
+def test_ray_cluster_across_machines_and_a_job_from_the_laptop(smollm_dir, monkeypatch):
     """`ray start --head` on A, `ray start --address` on B (each its own temp dir and
     node address), `kvferry serve --address` on both; from the root namespace the
     SDK sees both hosts, the controller's directory follows a migration, and a
@@ -66,6 +45,7 @@ def test_ray_cluster_across_machines_and_a_job_from_the_laptop(smollm_dir):
                                       "--disable-usage-stats", "--temp-dir", str(tmp / "b")),
                                capture_output=True, text=True, env=env, timeout=240)
             assert r.returncode == 0, r.stderr[-2000:]
+            monkeypatch.setenv("RAY_AUTH_MODE", "token")  # `kvferry serve` joins a cluster with token auth
             for m in (ma, mb):
                 hosts.append(Serve("--address", gcs, machine=m))
             a, b = hosts
@@ -94,7 +74,8 @@ def test_ray_cluster_across_machines_and_a_job_from_the_laptop(smollm_dir):
         finally:
             for h in hosts:
                 h.stop()
-            stop_ray(tmp)
+            for m in (ma, mb):  # both Ray nodes, whole: every process in their namespaces
+                m.kill_all()
             shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -53,12 +53,7 @@ class _Host:
 
     def kill(self) -> None:
         """SIGKILL everything in this machine's namespace (the host, its Ray, its actors)."""
-        pids = subprocess.run(["ip", "netns", "pids", self.m.ns], capture_output=True, text=True).stdout.split()
-        for pid in map(int, pids):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self.m.kill_all()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -156,15 +151,18 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
 
             movers = threading.Semaphore(3)  # live migrations in flight at once
 
-            def move(sid: str, src: str, to: str) -> None:
+            def move(sid: str, rec: dict, src: str, to: str) -> None:
+                rec["moving_to"] = to
                 try:
                     Client(src, token, timeout=60).session(sid).migrate(to=to)
                     with lock:
                         stats["migrations"] += 1
+                        rec["host"] = to  # where it lives now, whatever its client last saw
                 except KvferryError:  # refused: the session ended, moved meanwhile, or a host is gone
                     with lock:
                         stats["migrations_refused"] += 1
                 finally:
+                    rec["moving_to"] = None
                     movers.release()
 
             def chaos() -> None:
@@ -184,8 +182,8 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
                             with lock:
                                 alive.discard(c.address)
                                 killed.update(address=c.address, at=time.monotonic())
-                                for rec in sessions.values():
-                                    if not rec["done"] and rec["host"] == c.address:
+                                for rec in sessions.values():  # there, or on its way there
+                                    if not rec["done"] and c.address in (rec["host"], rec.get("moving_to")):
                                         rec["on_killed"] = True
                             c.kill()
                         else:
@@ -200,7 +198,7 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
                     if live and len(targets) > 1 and movers.acquire(blocking=False):
                         sid, rec = rng.choice(live)
                         to = rng.choice([t for t in targets if t != rec["host"]])
-                        threading.Thread(target=move, args=(sid, rec["host"], to), daemon=True).start()
+                        threading.Thread(target=move, args=(sid, rec, rec["host"], to), daemon=True).start()
                     time.sleep(rng.uniform(0.2, 1.0))
 
             threads = [threading.Thread(target=chat, args=(n,), daemon=True) for n in range(clients)]
@@ -223,16 +221,20 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
                     where.setdefault(x["id"], []).append(h.address)
             # a session that is neither finished (closed by its client) nor listed by a survivor
             # is gone: by definition if it lived on the killed host, else lost
-            gone = [sid for sid, rec in sessions.items() if not rec["done"] and sid not in where]
+            drain_log = "".join(a.log)
+            saved = {x.split()[2].rstrip(":") for x in drain_log.splitlines() if ": saved " in x}
+            # saved by the drain: on disk, restored when A starts again with its drain directory
+            gone = [sid for sid, rec in sessions.items() if not rec["done"] and sid not in where and sid not in saved]
             on_killed = sum(sessions[sid]["on_killed"] for sid in gone)
             lost = len(gone) - on_killed
+            lost_ids = [sid for sid in gone if not sessions[sid]["on_killed"]]
             never_killed = [r for r in sessions.values() if not r["on_killed"] and r["done"]]
-            drain_log = "".join(a.log)
         finally:
             for h in hosts:
                 h.stop()
     return {**stats, "duration_s": duration, "clients": clients, "hosts": 3,
-            "sessions_on_killed_host": on_killed, "sessions_lost": lost,
+            "sessions_on_killed_host": on_killed, "sessions_lost": lost, "lost_ids": lost_ids,
+            "sessions_saved_by_drain": len(saved),
             "sessions_duplicated": sum(len(v) > 1 for v in where.values()),
             "greedy_identical_to_twin": round(sum(r["identical"] for r in never_killed) / max(1, len(never_killed)), 4),
             "drain_moved": drain_log.count(": moved "), "drain_saved": drain_log.count(": saved "),

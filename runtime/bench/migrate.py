@@ -182,7 +182,8 @@ def _one(a: _Host, b: _Host, token: str, ck: Path, sid: str, live: bool, n_ctx: 
         while len(stamps) < migrate_after and th.is_alive():
             time.sleep(0.005)
         t_mig = time.perf_counter()
-        mig = Client(a.address, token).session(sid).migrate(to=b.address, live=live)
+        # raw, as every figure in docs/migration.md: mode auto would first send 16 MB unpaced to time the link
+        mig = Client(a.address, token).session(sid).migrate(to=b.address, live=live, mode="raw")
         th.join()
         # the landed turn would go on generating on B; stop it so the twin runs
         # with nothing else generating, as the migrated session ran before it

@@ -85,7 +85,10 @@ class Drainer:
                 except KvferryError as e:
                     out["error"] = str(e)
                 k += 1
-            if out["outcome"] == "failed" and sid in self.host.sessions:
+            if out["outcome"] == "failed" and sid not in self.host.sessions:  # gone meanwhile: say where
+                to = self.where(sid)
+                out.update(outcome="moved" if to else "ended", where=to or "", error="")
+            if out["outcome"] == "failed":
                 if not peers:
                     out["error"] = "no peer to move it to"
                 if self.drain_dir is not None:

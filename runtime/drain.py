@@ -56,12 +56,13 @@ class Drainer:
 
     def drain(self, timeout: float = DRAIN_TIMEOUT) -> list[dict]:
         """Move every session away (or save it); one outcome per session."""
-        self.draining = True
+        with self.registry_lock:  # from here on no migration commits here (see migration_in)
+            self.draining = True
         self.set_serving(False)
         deadline = time.monotonic() + timeout
         peers = self.drain_peers()
         outcomes = []
-        for i, sid in enumerate(list(self.host.sessions)):
+        for i, sid in enumerate(self._to_drain()):
             out = {"session": sid, "outcome": "failed", "where": "", "error": ""}
             k = 0
             while k < len(peers):
@@ -100,6 +101,14 @@ class Drainer:
                 "drain %s: %s %s %s", sid, out["outcome"], out["where"], out["error"])
             outcomes.append(out)
         return outcomes
+
+    def _to_drain(self):
+        """Every session here, including any that landed while the drain ran (a
+        create or restore already past its draining check): until none is left unseen."""
+        seen: set[str] = set()
+        while new := [sid for sid in list(self.host.sessions) if sid not in seen]:
+            seen.update(new)
+            yield from new
 
     def save_drained(self, sid: str) -> Path:
         """Checkpoint a session (held still between two steps) into the drain directory, then close it."""

@@ -135,6 +135,10 @@ class MigrationTarget(pbg.MigrationServicer):
                         if mid in srv.aborted or srv.incoming.get(mid) is not inc:
                             raise MigrationError(f"migration {mid} was abandoned here (idle too long, or the "
                                                  "source asked); not committed")
+                        if srv.draining:  # a drain has listed what it moves: a newcomer would be left behind
+                            _abandon(srv, mid, time.monotonic())
+                            inc = None
+                            srv.refuse_if_draining()
                         try:
                             srv.host.adopt(inc.prepared)
                         except SessionExistsError:

@@ -287,6 +287,34 @@ def test_target_that_gave_up_refuses_a_late_commit(pair, monkeypatch):
     assert "".join(s.send("more")) == "".join(twin.send("more"))
 
 
+def test_a_drain_refuses_a_commit_that_would_land_after_its_listing(pair, monkeypatch):
+    """A migration into a host that starts draining mid-transfer. Before: the commit
+    landed after the drain had listed its sessions, the drain left it behind and
+    the host exited with it (lost; seen in bench chaos). Now the target refuses the
+    commit and the session runs on at the source."""
+    from kvferry import migration_out as server
+
+    a, b = pair
+    c, s, twin = conversation(a)
+    real = server._Link.wait_restored
+    outcomes = []
+
+    def drain_meanwhile(self):
+        real(self)
+        outcomes.extend(b.drain(timeout=5))  # the target drains between "restored" and commit
+    monkeypatch.setattr(server._Link, "wait_restored", drain_meanwhile)
+    try:
+        with pytest.raises(RemoteError, match="draining"):
+            s.migrate(to=b.address)
+    finally:
+        monkeypatch.setattr(server._Link, "wait_restored", real)
+        b.draining = False
+        b.set_serving(True)
+    assert s.id in a.host.sessions and s.id not in b.host.sessions and s.host == a.address
+    assert all(o["session"] != s.id for o in outcomes)
+    assert "".join(s.send("more")) == "".join(twin.send("more"))
+
+
 def test_long_live_migration_that_keeps_sending_is_not_expired(pair, monkeypatch):
     """Expiry is by inactivity, not age: a pre-copy far longer than the TTL,
     with frames arriving all along, commits."""

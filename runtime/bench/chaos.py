@@ -108,7 +108,8 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
                 twin[k] = ["".join(s.send(q)) for q in script]
                 s.close()
             killed: dict = {"address": None, "at": None}
-            deadline = time.monotonic() + duration
+            t_start = time.monotonic()
+            deadline = t_start + duration
 
             def chat(n: int) -> None:
                 r = random.Random(seed * 1000 + n)
@@ -142,8 +143,8 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
                         with lock:
                             stats["sessions_completed"] += 1
                         s.close()
-                    except KvferryError:
-                        rec["host"] = s.host
+                    except KvferryError as e:
+                        rec["host"], rec["error"] = s.host, f"{time.monotonic() - t_start:.1f}s {type(e).__name__}: {e}"
                         with lock:
                             stats["client_errors"] += 1
                             if killed["address"] and rec["host"] == killed["address"]:
@@ -153,12 +154,15 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
 
             def move(sid: str, rec: dict, src: str, to: str) -> None:
                 rec["moving_to"] = to
+                rec.setdefault("moves", []).append(f"{time.monotonic() - t_start:.1f}s {src}->{to}")
                 try:
                     Client(src, token, timeout=60).session(sid).migrate(to=to)
                     with lock:
                         stats["migrations"] += 1
                         rec["host"] = to  # where it lives now, whatever its client last saw
-                except KvferryError:  # refused: the session ended, moved meanwhile, or a host is gone
+                    rec["moves"][-1] += " ok"
+                except KvferryError as e:  # refused: the session ended, moved meanwhile, or a host is gone
+                    rec["moves"][-1] += f" {type(e).__name__}: {e}"
                     with lock:
                         stats["migrations_refused"] += 1
                 finally:
@@ -173,12 +177,12 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
                     if plan and frac >= plan[0][0]:
                         what = plan.pop(0)[1]
                         if what == "cut":
-                            progress("chaos: host B's cable cut for 3 s")
+                            progress(f"{time.monotonic() - t_start:.1f}s chaos: host B's cable cut for 3 s")
                             b.m.link(False)
                             time.sleep(3)
                             b.m.link(True)
                         elif what == "kill":
-                            progress("chaos: host C SIGKILLed")
+                            progress(f"{time.monotonic() - t_start:.1f}s chaos: host C SIGKILLed")
                             with lock:
                                 alive.discard(c.address)
                                 killed.update(address=c.address, at=time.monotonic())
@@ -187,7 +191,7 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
                                         rec["on_killed"] = True
                             c.kill()
                         else:
-                            progress("chaos: host A drained by SIGTERM")
+                            progress(f"{time.monotonic() - t_start:.1f}s chaos: host A drained by SIGTERM")
                             with lock:
                                 alive.discard(a.address)
                             a.proc.send_signal(signal.SIGTERM)
@@ -234,6 +238,7 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
                 h.stop()
     return {**stats, "duration_s": duration, "clients": clients, "hosts": 3,
             "sessions_on_killed_host": on_killed, "sessions_lost": lost, "lost_ids": lost_ids,
+            "lost": [{k: v for k, v in sessions[sid].items() if k != "handle"} | {"id": sid} for sid in lost_ids],
             "sessions_saved_by_drain": len(saved),
             "sessions_duplicated": sum(len(v) > 1 for v in where.values()),
             "greedy_identical_to_twin": round(sum(r["identical"] for r in never_killed) / max(1, len(never_killed)), 4),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from typing import Any, Iterable
 
 import numpy as np
@@ -30,12 +31,21 @@ MAX_GUEST_BYTES = 4 << 30
 MAX_TOKENS = 1 << 22
 
 
+def _release(host: Any, charged: list) -> None:
+    if charged[0]:
+        with host.lock:
+            host.kv_reserved -= charged[0]
+            charged[0] = 0
+
+
 class Restorer:
     """Applies verified frames; :meth:`commit` creates the session on ``host``."""
 
     def __init__(self, host: Any, *, expect_guest_sha: str | None = None,
-                 session_id: str | None = None):
+                 session_id: str | None = None, owner: str | None = None):
+        """``owner``: whose the session is (None: the checkpoint's word, for a peer or a drain)."""
         self.host = host
+        self.owner = owner
         self.expect_guest_sha = expect_guest_sha
         self.session_id = session_id
         self.header: dict | None = None
@@ -49,6 +59,8 @@ class Restorer:
         self.lock = getattr(host, "compute", None) or threading.Lock()
         self.kv_bytes = 0  # KV received so far
         self.reserved = 0  # cache room allocated (tokens received and to come)
+        self._charged = [0]  # reserved in the host's count (ModelHost.kv_reserved)
+        weakref.finalize(self, _release, host, self._charged)  # an abandoned restore gives it back too
 
     def apply(self, f: Frame) -> None:
         self.frames += 1
@@ -88,10 +100,21 @@ class Restorer:
         self.kv_bytes += nbytes
         self.reserved += reserve
         limit = getattr(self.host, "max_kv_bytes", None)
-        if limit and (used := self.host.kv_bytes()) + max(self.kv_bytes, self.reserved) > limit:
-            raise OutOfMemoryError(
-                f"{where}: out of memory on this host: the session's KV needs more than the "
-                f"{limit / 1e6:.0f} MB it may use ({used / 1e6:.1f} MB already in use)")
+        if not limit:
+            return
+        need = max(self.kv_bytes, self.reserved)
+        with self.host.lock:  # one host-wide count: restores in flight reserve what they will hold
+            used = self.host.kv_bytes() + self.host.kv_reserved - self._charged[0]
+            if used + need > limit:
+                raise OutOfMemoryError(
+                    f"{where}: out of memory on this host: the session's KV needs more than the "
+                    f"{limit / 1e6:.0f} MB it may use ({used / 1e6:.1f} MB already in use or reserved)")
+            self.host.kv_reserved += need - self._charged[0]
+            self._charged[0] = need
+
+    def release(self) -> None:
+        """Give back this restore's reservation (its session, once adopted, counts as held KV)."""
+        _release(self.host, self._charged)
 
     def _header(self, h: dict, where: str) -> None:
         if self.header is not None:
@@ -115,6 +138,18 @@ class Restorer:
                                                                   "QuantizedKVCache"):
             raise CheckpointError(f"{where}: cache of {cache.get('layers')} layers of "
                                   f"{cache.get('class')!r} does not fit this model ({n} layers)")
+        cfg = lm.config
+        self.kv_heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+        self.head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        self.context = int(cfg.get("max_position_embeddings") or 4096)
+        if (cache.get("kv_heads"), cache.get("head_dim")) != (self.kv_heads, self.head_dim):
+            raise CheckpointError(f"{where}: KV of {cache.get('kv_heads')} heads x {cache.get('head_dim')} "
+                                  f"does not fit this model ({self.kv_heads} x {self.head_dim})")
+        session = h.get("session")
+        if not isinstance(session, dict) or not isinstance(session.get("options"), dict):
+            raise CheckpointError(f"{where}: malformed session record")
+        if unknown := sorted(set(map(str, session["options"])) - set(SessionOptions.names())):
+            raise CheckpointError(f"{where}: unknown session option {unknown[0]!r}")
         self.header = h
         self.chunks = [[] for _ in range(n)]
         if cache.get("class") == "KVCache":
@@ -128,15 +163,17 @@ class Restorer:
         i, t0, t1 = b.get("layer"), b.get("start"), b.get("end")
         n = len(self.chunks)
         if not (isinstance(i, int) and 0 <= i < n and isinstance(t0, int) and isinstance(t1, int)
-                and 0 <= t0 <= t1 <= MAX_TOKENS):
+                and 0 <= t0 <= t1 <= (MAX_TOKENS if b.get("whole") or self.header["cache"]["class"]
+                                      == "RotatingKVCache" else self.context)):
             raise CheckpointError(f"{where}: bad layer or token range ({i}, {t0}..{t1})")
         cache = self.header["cache"]
-        heads, hd = cache["kv_heads"], cache["head_dim"]
+        heads, hd = self.kv_heads, self.head_dim
         if b.get("whole"):
             if b.get("keys") is not None:
+                n = sum(self._declared(b.get(side), f"{where} {side}", None) for side in ("keys", "values"))
+                self._admit(n, where)  # before anything is decompressed
                 k = codecs.decode(b["keys"], f"{where} keys")
                 v = codecs.decode(b["values"], f"{where} values")
-                self._admit(k.nbytes + v.nbytes, where)
                 meta = b.get("meta")
                 if not (isinstance(meta, list) and len(meta) == 4 and all(isinstance(x, int) for x in meta)):
                     raise CheckpointError(f"{where}: malformed rotating-cache meta state")
@@ -149,16 +186,23 @@ class Restorer:
                 blobs = b.get(side)
                 if not isinstance(blobs, list) or len(blobs) != 3:
                     raise CheckpointError(f"{where}: quantized {side} must be 3 tensors")
+                self._admit(sum(self._declared(x, f"{where} {side}[{j}]", t1 - t0, packed=True)
+                                for j, x in enumerate(blobs)), where)
                 arrs = [(codecs.decode(x, f"{where} {side}[{j}]"), x["dtype"]) for j, x in enumerate(blobs)]
                 for a, _ in arrs:
                     if a.ndim != 4 or a.shape[1] != heads or a.shape[2] != t1 - t0:
                         raise CheckpointError(f"{where}: {side} shape {list(a.shape)} does not fit "
                                               f"{heads} heads x {t1 - t0} tokens")
                 sides.append(arrs)
-                self._admit(sum(a.nbytes for a, _ in arrs), where)
             meta = b.get("meta") or {}
             self.chunks[i].append((t0, t1, ("q", sides, meta)))
             return
+        nbytes = sum(self._declared(b.get(side), f"{where} {side}", t1 - t0) for side in ("keys", "values"))
+        c = self.caches[i]
+        if t0 != c.offset:
+            raise CheckpointError(f"{where}: token range {t0}..{t1} does not continue layer {i} "
+                                  f"(it holds {c.offset} tokens)")
+        self._admit(nbytes, where)  # before anything is decompressed
         k = codecs.decode(b.get("keys"), f"{where} keys")
         v = codecs.decode(b.get("values"), f"{where} values")
         for name, a in (("keys", k), ("values", v)):
@@ -167,13 +211,8 @@ class Restorer:
                                       f"[1, {heads}, {t1 - t0}, {hd}]")
         # Append straight into the layer's cache as frames arrive, so a streamed
         # (live) restore has nothing left to assemble at commit time.
-        c = self.caches[i]
-        if t0 != c.offset:
-            raise CheckpointError(f"{where}: token range {t0}..{t1} does not continue layer {i} "
-                                  f"(it holds {c.offset} tokens)")
         import mlx.core as mx
 
-        self._admit(k.nbytes + v.nbytes, where)
         with oom(where), self.lock if pending is None else contextlib.nullcontext():
             self._reserve(c, t1, k.shape, b["keys"]["dtype"], v.shape, b["values"]["dtype"], where)
             c.update_and_fetch(mx_from_bits(k, b["keys"]["dtype"]), mx_from_bits(v, b["values"]["dtype"]))
@@ -182,6 +221,22 @@ class Restorer:
             else:
                 pending += [c.keys, c.values]
         self.chunks[i].append((t0, t1, None))
+
+    def _declared(self, blob: Any, where: str, tokens: int | None, packed: bool = False) -> int:
+        """The bytes a KV blob declares, once its shape and dtype are checked against
+        this model's KV, ``[1, kv_heads, tokens, head_dim]`` (``tokens`` None: at most
+        the context; ``packed``: a quantized part, at most head_dim wide)."""
+        shape = blob.get("shape") if isinstance(blob, dict) else None
+        dtype = blob.get("dtype") if isinstance(blob, dict) else None
+        hd = self.head_dim
+        if not (isinstance(shape, list) and len(shape) == 4 and all(isinstance(d, int) for d in shape)
+                and shape[0] == 1 and shape[1] == self.kv_heads
+                and (shape[2] == tokens if tokens is not None else 0 < shape[2] <= self.context)
+                and (0 < shape[3] <= hd if packed else shape[3] == hd)
+                and dtype in (codecs.DTYPES if packed else codecs.FLOATS)):
+            want = f"[1, {self.kv_heads}, {tokens if tokens is not None else '<=' + str(self.context)}, {hd}]"
+            raise CheckpointError(f"{where}: declares {dtype}{shape}, this model's KV is {want}")
+        return shape[1] * shape[2] * shape[3] * codecs.DTYPES[dtype][1]
 
     def _reserve(self, c, t1: int, kshape, kdtype: str, vshape, vdtype: str, where: str) -> None:
         """Grow a layer's cache ahead of token ``t1``, once, to the token count the
@@ -194,8 +249,7 @@ class Restorer:
         if t1 <= cap:
             return
         hint = self.header["cache"].get("tokens")
-        limit = (self.header.get("session") or {}).get("context")
-        hint = hint if isinstance(hint, int) and isinstance(limit, int) and 0 <= hint <= min(limit, MAX_TOKENS) else 0
+        hint = hint if isinstance(hint, int) and 0 <= hint <= self.context else 0  # the model's, not the file's
         new = max(t1, hint + c.step if cap == 0 else 2 * cap)
         new = -(-new // c.step) * c.step
         per_token = kshape[1] * kshape[3] * codecs.DTYPES[kdtype][1] + vshape[1] * vshape[3] * codecs.DTYPES[vdtype][1]
@@ -301,12 +355,23 @@ class Restorer:
             turn = {"n_prompt": int(turn.get("n_prompt", 0)), "record": bool(turn.get("record", True)),
                     "tokens": toks, "texts": texts, "max_tokens": turn.get("max_tokens", 0)}
         sampling = st.get("sampling", {})
+        if not isinstance(sampling, dict):
+            raise CheckpointError("state frame: malformed sampling")
+        if unknown := sorted(set(map(str, sampling)) - set(SamplingParams.names())):
+            raise CheckpointError(f"state frame: unknown sampling parameter {unknown[0]!r}")
+        try:
+            return self._session(h, st, sampling, caches, history, turn, gm, size, pages, data, globals_)
+        except (TypeError, ValueError) as e:  # a field of the wrong type: the file's fault
+            raise CheckpointError(f"checkpoint session record is malformed ({type(e).__name__}: {e})") from None
+
+    def _session(self, h, st, sampling, caches, history, turn, gm, size, pages, data, globals_) -> Session:
         state = SessionState(
             id=self.session_id or h["session"]["id"],
             sampling=SamplingParams(**{**sampling, "stop": tuple(sampling.get("stop", ()))}),
             options=SessionOptions(**h["session"]["options"]), context=h["session"].get("context", 0),
             caches=caches, history=history.tolist(), messages=list(st.get("messages") or []), turn=turn,
-            module=gm, memory=MemoryImage(size, pages, data, globals_))
+            module=gm, memory=MemoryImage(size, pages, data, globals_),
+            owner=self.owner if self.owner is not None else str(h["session"].get("owner") or ""))
         try:
             return Session.from_state(self.host, state)
         except GuestError as e:
@@ -316,12 +381,14 @@ class Restorer:
 def restore(host: Any, chunks: Iterable[bytes], **kw) -> Session:
     """Restore and register a session on ``host`` (a ModelHost) from checkpoint bytes."""
     r = Restorer(host, **kw)
-    for f in iter_frames(chunks):
-        r.apply(f)
     try:
+        for f in iter_frames(chunks):
+            r.apply(f)
         return host.adopt(r.commit())
     except SessionExistsError as e:
         raise CheckpointError(str(e)) from None
+    finally:
+        r.release()
 
 
 def load(host: Any, path: str | os.PathLike, **kw) -> Session:

@@ -75,7 +75,7 @@ class Snapshotter:
                       "vocab_size": int(cfg["vocab_size"]), "layers": len(self.caches)},
             "guest": {"label": st.module.label, "sha256": st.module.sha256},
             "session": {"id": st.id, "context": st.context, "sampling": _plain(asdict(st.sampling)),
-                        "options": _plain(asdict(st.options))},
+                        "options": _plain(asdict(st.options)), "owner": st.owner},
             "cache": {"class": self.kind, "layers": len(self.caches), "tokens": len(st.history),
                       "kv_heads": int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
                       "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])},

@@ -39,6 +39,7 @@ IMPORTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "kv_logits_topk": ((_I32, _I32, _I32), (_I32,)),
     "kv_token_text": ((_I32, _I32, _I32), (_I32,)),
 }
+MLX_MATH = ("kv_matmul", "kv_softmax", "kv_topk", "kv_logits", "kv_logits_topk")  # run under the compute lock
 REQUIRED_EXPORTS = ("memory", "kvferry_abi_version")
 CHAT_EXPORTS = ("kvferry_buffer", "kvferry_chat_config", "kvferry_chat_begin", "kvferry_chat_step")
 
@@ -147,7 +148,20 @@ class HostFunctions:
     def define(self, linker: wt.Linker) -> None:
         for name, (params, results) in IMPORTS.items():
             ft = wt.FuncType([_VT[p] for p in params], [_VT[r] for r in results])
-            linker.define_func(IMPORT_MODULE, name, ft, getattr(self, name))
+            fn = getattr(self, name)
+            linker.define_func(IMPORT_MODULE, name, ft, self._serialised(fn) if name in MLX_MATH else fn)
+
+    def _serialised(self, fn):
+        """MLX math under the engine's compute lock (MLX work is serialised); the wait
+        for other sessions' model work does not count against this guest's deadline."""
+        def call(*args):
+            t0 = time.perf_counter()
+            with self.g.engine.compute:
+                waited = time.perf_counter() - t0
+                out = fn(*args)
+            self.g.host_compute(waited)
+            return out
+        return call
 
     # -- argument checks ---------------------------------------------------------
     def _span(self, fn: str, arg: str, ptr: int, n: int, align: int = 1) -> int:
@@ -297,7 +311,8 @@ class HostFunctions:
         tokens = self.g.arena.np[p:p + 4 * n].view(np.int32).tolist()
         self._check_ids("kv_prefill", tokens, m)
         t = time.perf_counter()
-        m.prefill(tokens)
+        with self.g.engine.compute:  # model time is the host's: bounded by the step's token budget
+            m.prefill(tokens)
         self.g.host_compute(time.perf_counter() - t)
         return 0
 
@@ -305,7 +320,8 @@ class HostFunctions:
         m = self._model("kv_decode")
         self._check_ids("kv_decode", [token], m)
         t = time.perf_counter()
-        m.decode(token)
+        with self.g.engine.compute:
+            m.decode(token)
         self.g.host_compute(time.perf_counter() - t)
         return 0
 

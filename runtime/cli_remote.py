@@ -10,6 +10,7 @@ from .params import DRAIN_TIMEOUT
 from .console import print_json
 from .errors import KvferryError
 from .params import MIGRATE_DEFAULTS, MIGRATE_MODES  # noqa: I001
+from .policy import HostPolicy
 
 DEFAULT_HOST = "127.0.0.1:50051"
 
@@ -55,7 +56,17 @@ def cmd_serve(a) -> int:
     peers = tuple(p.strip() for p in (a.peers or "").split(",") if p.strip())
     for addr in (*peers, *([a.advertise] if a.advertise else [])):
         split(addr)  # HOST:PORT, or one line naming it
-    token = ensure_token(a.token, a.no_auth)
+    if a.token_file:
+        from .keys import read_token_file
+        a.token = read_token_file(a.token_file)
+    if a.tokens:
+        from .keys import parse_file
+        parse_file(a.tokens)  # a bad keys file is one line here, not an actor's traceback
+    token = None if a.tokens and not (a.token or os.environ.get("KVFERRY_TOKEN")) else ensure_token(a.token, a.no_auth)
+    policy = {k: v for k, v in {"max_sessions": a.max_sessions, "session_ttl_s": a.session_ttl,
+                                "max_deadline_ms": a.max_deadline_ms, "max_tokens": a.max_tokens}.items()
+              if v is not None}
+    HostPolicy(**policy)  # its one-line errors, here
     if a.cpus:
         if not hasattr(os, "sched_setaffinity"):
             raise KvferryError("--cpus needs CPU affinity, which this OS does not offer (Linux only)")
@@ -73,7 +84,7 @@ def cmd_serve(a) -> int:
 
     def ready(addr: str) -> None:
         print(f"kvferry serving on {addr} (model {a.model or 'SmolLM2-135M-Instruct'}, "
-              f"auth {'off' if token is None else 'token'}, "
+              f"auth {'off' if token is None and not a.tokens else 'keys' if a.tokens else 'token'}, "
               f"TLS {'mutual' if a.tls_ca and a.tls_cert else 'on' if a.tls_cert else 'off'})", flush=True)
 
     def report(o: dict) -> None:
@@ -85,7 +96,8 @@ def cmd_serve(a) -> int:
     serve(a.model, bind, token, address=a.address, allow_no_auth=a.no_auth, tls=_tls(a),
           client_tls=_tls(a, "peer_tls"), ready=ready, report=report,
           max_kv_bytes=int(a.max_kv_mb * 1e6) if a.max_kv_mb else None, advertise=a.advertise,
-          peers=peers, drain_dir=a.drain_dir or "", drain_timeout=a.drain_timeout)
+          peers=peers, drain_dir=a.drain_dir or "", drain_timeout=a.drain_timeout, tokens_file=a.tokens,
+          policy=policy)
     return 0
 
 
@@ -194,7 +206,18 @@ def register(sub, add: Callable) -> None:
                          f"(default {DRAIN_TIMEOUT:g}: inside systemd's and launchd's stop timeouts in deploy/)")
     sv.add_argument("--drain-dir", metavar="DIR", help="where a drain saves the sessions no peer takes; they "
                     "are restored when a host starts with it (default: $KVFERRY_HOME/drain/<address>)")
-    sv.add_argument("--token", help="shared secret (default: $KVFERRY_TOKEN or $KVFERRY_HOME/token)")
+    sv.add_argument("--token", help="the admin key (default: $KVFERRY_TOKEN or $KVFERRY_HOME/token); "
+                    "prefer --token-file or the environment: argv is visible to every user of the machine")
+    sv.add_argument("--token-file", metavar="FILE", help="read the admin key from FILE")
+    sv.add_argument("--tokens", metavar="FILE", help="several keys, one per line: NAME ROLE TOKEN, ROLE one of "
+                    "admin, client (sees only its own sessions), peer (host-to-host only); see docs/security.md")
+    sv.add_argument("--max-sessions", type=int, help=f"sessions held at once (default {HostPolicy.max_sessions})")
+    sv.add_argument("--session-ttl", type=float, metavar="S", help="close a session idle for S seconds "
+                    f"(default {HostPolicy.session_ttl_s:g}; 0: never)")
+    sv.add_argument("--max-deadline-ms", type=float, help="the most guest time per call a session may ask for "
+                    f"(default {HostPolicy.max_deadline_ms:g})")
+    sv.add_argument("--max-tokens", type=int, help=f"the most tokens one reply may ask for (default "
+                    f"{HostPolicy.max_tokens})")
     sv.add_argument("--no-auth", action="store_true", help="no token (loopback addresses only)")
     sv.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or an embedded Ray)")
     sv.add_argument("--threads", type=int, help="CPU threads for the model's matrix products (like llama.cpp "
@@ -202,7 +225,7 @@ def register(sub, add: Callable) -> None:
     sv.add_argument("--cpus", metavar="LIST", help="run the host on these CPUs only, e.g. 0-3 (like llama.cpp "
                     "--cpu-range; Linux). Hosts sharing a machine then do not slow each other's steps")
     sv.add_argument("--max-kv-mb", type=float, help="KV cache memory this host may hold; restores and "
-                    "incoming migrations beyond it are refused (default: no limit)")
+                    "incoming migrations beyond it are refused (default: half the machine's memory)")
     tls_args(sv)
     tls_args(sv, "peer_tls", "client certificate for outgoing migrations:")
 

@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import ray
@@ -88,20 +89,26 @@ def controller() -> Any:
 
 @ray.remote(num_cpus=1, max_concurrency=8)
 class SessionHost:
-    def __init__(self, model: str | None, bind: str, token: str | None, dtype: str = "auto",
+    def __init__(self, model: str | None, bind: str, keys_file: str | None, dtype: str = "auto",
                  max_kv_bytes: int | None = None, tls: dict | None = None, client_tls: dict | None = None,
-                 **server: Any) -> None:
-        """``server``: HostServer's options (allow_no_auth, advertise, peers, drain_dir, drain_timeout)."""
+                 policy: dict | None = None, **server: Any) -> None:
+        """``keys_file``: see kvferry.keys.hand_over (None: no auth); ``policy``: a
+        HostPolicy's fields; ``server``: HostServer's options (allow_no_auth,
+        advertise, peers, drain_dir, drain_timeout)."""
         from .host import ModelHost, warmup
+        from .keys import take_over
+        from .policy import HostPolicy
         from .server import HostServer
         from .transport import TLSConfig
 
-        self.host = ModelHost(model, dtype=dtype, progress=False, max_kv_bytes=max_kv_bytes)
+        keys = take_over(keys_file) if keys_file else None
+        self.host = ModelHost(model, dtype=dtype, progress=False, max_kv_bytes=max_kv_bytes,
+                              policy=HostPolicy(**(policy or {})))
         warmup(self.host.lm)
         self.host.preload()
         self.ctl = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
         node = f"{socket.gethostname()}/{ray.get_runtime_context().get_node_id()[:8]}"
-        self.srv = HostServer(self.host, bind, token=token, tls=TLSConfig(**tls) if tls else None,
+        self.srv = HostServer(self.host, bind, keys=keys, tls=TLSConfig(**tls) if tls else None,
                               client_tls=TLSConfig(**client_tls) if client_tls else None,
                               directory=self.ctl, node=node, **server).start()
         ray.get(self.ctl.register_host.remote(self.srv.address, self.host.lm.name, node))
@@ -207,16 +214,26 @@ def init_ray(address: str | None = None) -> bool:
 
 
 def start_host(model: str | None, bind: str, token: str | None, *, node_id: str | None = None,
-               max_kv_bytes: int | None = None, **server: Any):
+               max_kv_bytes: int | None = None, tokens_file: str | None = None, **server: Any):
+    """A SessionHost actor on ``node_id`` (default: this node). ``token`` (the admin
+    key) and ``tokens_file`` (kvferry.keys) reach it in a private file, never as an
+    actor argument."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from .keys import Keyring, hand_over
 
     controller()
     node_id = node_id or ray.get_runtime_context().get_node_id()
-    actor = SessionHost.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        runtime_env={"env_vars": blas.worker_env()},
-    ).remote(model, bind, token, max_kv_bytes=max_kv_bytes, **server)
-    return actor, ray.get(actor.address.remote())
+    secret = hand_over(Keyring.build(token, tokens_file)) if (token or tokens_file) else None
+    try:
+        actor = SessionHost.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            runtime_env={"env_vars": blas.worker_env()},
+        ).remote(model, bind, secret, max_kv_bytes=max_kv_bytes, **server)
+        return actor, ray.get(actor.address.remote())
+    finally:
+        if secret:  # read by the actor already; gone either way
+            Path(secret).unlink(missing_ok=True)
 
 
 def serve(model: str | None, bind: str, token: str | None, *, address: str | None = None,

@@ -120,6 +120,22 @@ class HostDrainingError(KvferryError):
     code, status = "host_draining", "UNAVAILABLE"
 
 
+class HostFullError(KvferryError):
+    """The host holds as many sessions as it may (``serve --max-sessions``); use another."""
+    code, status = "host_full", "RESOURCE_EXHAUSTED"
+
+
+class TooManyCallsError(KvferryError):
+    """The caller's key has as many calls in flight as it may; retry when one ends."""
+    code, status = "too_many_calls", "RESOURCE_EXHAUSTED"
+
+
+class ForbiddenError(KvferryError):
+    """The caller's key may not do this (a client key on the host-to-host service, a
+    migration to a host that is not a peer)."""
+    code, status = "permission_denied", "PERMISSION_DENIED"
+
+
 class RemoteError(KvferryError):
     """The host refused or failed the call; the message says why. Raised by the
     SDK only, mixed into the class the host's ``code`` names."""

@@ -38,6 +38,29 @@ from .errors import GuestAbiError, GuestError, GuestTrap
 
 TICK_S = 0.005  # epoch tick: deadline resolution
 WASM_PAGE = 65536
+MAX_MODULES = 64  # compiled modules an engine keeps (each is machine code in memory)
+START_SECTION = 8
+
+
+def has_start_section(wasm: bytes) -> bool:
+    """Whether a binary module declares a start function (section id 8). Malformed
+    section headers answer False: wasmtime's own validation then rejects the module."""
+    at = 8
+    while at < len(wasm):
+        sid = wasm[at]
+        at += 1
+        size = shift = 0
+        while at < len(wasm):  # LEB128 u32
+            b = wasm[at]
+            at += 1
+            size |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80 or shift > 35:
+                break
+        if sid == START_SECTION:
+            return True
+        at += size
+    return False
 
 
 class HostImports(Protocol):
@@ -95,7 +118,9 @@ class GuestEngine:
         _B.wasmtime_config_host_memory_creator_set(cfg.ptr(), ctypes.byref(self.creator.struct))
         self.engine = wt.Engine(cfg)
         self._lock = threading.Lock()
-        self._modules: dict[str, wt.Module] = {}
+        self.compute = threading.Lock()  # MLX work of every guest of this engine, one at a time
+        self._modules: dict[str, wt.Module] = {}  # by sha256, in order of last use
+        self.max_modules = MAX_MODULES
         self._stop = threading.Event()
         ref = weakref.ref(self)
         self._ticker = threading.Thread(target=_tick, args=(ref, self._stop, self.engine),
@@ -122,17 +147,25 @@ class GuestEngine:
         if not data.startswith(b"\0asm") and not data.lstrip().startswith(b"("):
             raise GuestError(f"{label}: not a WebAssembly module (no \\0asm magic)")
         digest = hashlib.sha256(data).hexdigest()
-        module = self._modules.get(digest)
+        with self._lock:
+            module = self._modules.pop(digest, None)
         if module is None:
             try:
-                module = wt.Module(self.engine, data)
+                binary = data if data.startswith(b"\0asm") else wt.wat2wasm(data.decode("utf-8", "replace"))
+                if has_start_section(binary):  # it would run at instantiation, before any deadline
+                    raise GuestError(f"{label}: has a start function; kvferry guests may not run code "
+                                     "when instantiated")
+                module = wt.Module(self.engine, binary)
             except (wt.WasmtimeError, ValueError) as e:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise GuestError(f"{label}: not a valid WebAssembly module ({first})") from None
-            self._modules[digest] = module
         gm = GuestModule(label, module, digest, data)
         if self.abi is not None:
-            self.abi.check_module(gm)
+            self.abi.check_module(gm)  # only a module that passes is kept
+        with self._lock:  # least recently used last out
+            self._modules[digest] = module
+            while len(self._modules) > self.max_modules:
+                self._modules.pop(next(iter(self._modules)))
         return gm
 
     def instantiate(self, module: "GuestModule", name: str | None = None,
@@ -195,6 +228,9 @@ class Guest:
         with engine._lock:
             before = set(c.arenas)
             c.pending, c.error = (name, limits.memory_cap), None
+            # No start function runs (compile refuses them); the deadline is the guest's
+            # own all the same, so instantiation can never hold the engine's lock for long.
+            self.store.set_epoch_deadline(self._ticks(limits.deadline_ms / 1000))
             try:
                 self.instance = linker.instantiate(self.store, module.module)
             except (wt.WasmtimeError, wt.Trap) as e:

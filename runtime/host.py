@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from .abi import V1
-from .errors import ConfigError, GuestError, SessionExistsError, UnknownSessionError
+from .errors import ConfigError, GuestError, HostFullError, SessionExistsError, UnknownSessionError
 from .guest import GuestEngine, GuestModule
 from .guests import GUESTS_DIR
 from .models import LoadedModel, load
 from .params import SamplingParams, SessionOptions
+from .policy import HostPolicy
 from .session import Session
 
 DEFAULT_GUEST = GUESTS_DIR / "chat.wasm"
@@ -69,17 +70,24 @@ class ModelHost:
     """Hosts sessions on one model (loaded once)."""
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", attn_cpu: float = 0.0,
-                 lm: LoadedModel | None = None, progress: bool = True, max_kv_bytes: int | None = None):
+                 lm: LoadedModel | None = None, progress: bool = True, max_kv_bytes: int | None = None,
+                 policy: HostPolicy | None = None):
         self.lm = lm or load(model, dtype=dtype, progress=progress)
+        self.policy = policy or HostPolicy()
         self.placement = apply_placement(self.lm.model, attn_cpu)
         _ = self.lm.fingerprint  # hash the model files now, not in the middle of a migration
         self.engine = GuestEngine(V1)
+        self.engine.max_modules = max(self.engine.max_modules, self.policy.max_modules)
         self.sessions: dict[str, Session] = {}
-        self._modules: dict[str, GuestModule] = {}
+        self._modules: dict[str, GuestModule] = {}  # by path, in order of last use
         self._token_bytes: dict[int, bytes] = {}
         self.lock = threading.RLock()
-        self.compute = threading.Lock()  # one model step at a time: MLX work is serialised
-        self.max_kv_bytes = max_kv_bytes  # admission limit for restored / migrated-in KV
+        # MLX work is serialised (host functions take it for each model call; guest code
+        # itself runs outside it, so a slow guest slows only its own session)
+        self.compute = threading.Lock()
+        self.engine.compute = self.compute
+        self.max_kv_bytes = max_kv_bytes or self.policy.kv_budget_bytes  # restored / migrated-in KV
+        self.kv_reserved = 0  # KV bytes promised to restores in flight (under self.lock)
 
     def preload(self) -> None:
         """Compile the default guest and import the restore path now, so the first
@@ -94,13 +102,15 @@ class ModelHost:
 
     def guest_module(self, guest: str | Path | None) -> GuestModule:
         path = str(guest or DEFAULT_GUEST)
-        gm = self._modules.get(path)
+        gm = self._modules.pop(path, None)
         if gm is None:
             gm = self.engine.compile(path)
             if gm.kind != "chat":
                 raise GuestError(f"{gm.label}: not a chat guest (it must export kvferry_buffer, "
                                  "kvferry_chat_config, kvferry_chat_begin, kvferry_chat_step)")
-            self._modules[path] = gm
+        self._modules[path] = gm
+        while len(self._modules) > self.policy.max_modules:
+            self._modules.pop(next(iter(self._modules)))
         return gm
 
     def token_bytes(self, token: int) -> bytes:
@@ -121,11 +131,13 @@ class ModelHost:
         return b
 
     def create_session(self, guest: str | Path | None = None, sampling: SamplingParams | None = None,
-                       options: SessionOptions | None = None, session_id: str | None = None) -> Session:
+                       options: SessionOptions | None = None, session_id: str | None = None,
+                       owner: str = "") -> Session:
         if session_id in self.sessions:  # fail before building a guest; adopt decides under the lock
             raise SessionExistsError(f"session {session_id} already exists on this host")
-        return self.adopt(Session(self, guest, sampling or SamplingParams(), options or SessionOptions(),
-                                  session_id))
+        s = Session(self, guest, sampling or SamplingParams(), options or SessionOptions(), session_id)
+        s.owner = owner
+        return self.adopt(s)
 
     def adopt(self, session: Session) -> Session:
         """Register a session: the one place a session joins this host (created,
@@ -135,6 +147,10 @@ class ModelHost:
             if session.id in self.sessions:
                 session.close()
                 raise SessionExistsError(f"session {session.id} already exists on this host")
+            if len(self.sessions) >= self.policy.max_sessions:
+                session.close()
+                raise HostFullError(f"this host holds {len(self.sessions)} sessions, its limit "
+                                    "(serve --max-sessions); close one or use another host")
             self.sessions[session.id] = session
             return session
 

@@ -46,8 +46,10 @@ def expire(srv: Any, now: float) -> None:
 def _abandon(srv: Any, mid: str, now: float) -> None:
     """(registry lock held) Forget an incoming migration for good."""
     inc = srv.incoming.pop(mid, None)
-    if inc is not None and inc.prepared is not None:
-        inc.prepared.close()
+    if inc is not None:
+        inc.restorer.release()
+        if inc.prepared is not None:
+            inc.prepared.close()
     srv.aborted[mid] = now
 
 
@@ -144,6 +146,7 @@ class MigrationTarget(pbg.MigrationServicer):
                         except SessionExistsError:
                             inc.prepared = None  # adopt closed it
                             raise
+                        inc.restorer.release()  # its KV is the host's now
                         srv.incoming.pop(mid, None)
                         srv.moved.pop(inc.session_id, None)
                         srv.committed[mid] = time.monotonic()
@@ -152,7 +155,7 @@ class MigrationTarget(pbg.MigrationServicer):
                             slot.lock.acquire()
                             t = inc.prepared.turn
                             feed = srv.feeds[inc.session_id] = TurnFeed(earlier=list(zip(t.tokens, t.texts)))
-                            srv.executor.submit(srv.drive, inc.session_id, slot, feed)
+                            srv.drivers.submit(srv.drive, inc.session_id, slot, feed)
                     yield pb.MigrationAck(state="committed", next_seq=inc.next_seq, session_id=inc.session_id)
                     # Bookkeeping waits for the landed turn's first token: on a shared
                     # machine it would slow the step the client is waiting for.

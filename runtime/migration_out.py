@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 import grpc
 
 from .checkpoint.snapshot import Snapshotter
-from .errors import CODES, AuthError, HostDownError, KvferryError, MigrationError, RemoteError
+from .errors import CODES, AuthError, ForbiddenError, HostDownError, KvferryError, MigrationError, RemoteError
 from .linkaware import PROBE_BYTES, SAMPLE_BYTES, choose, codec_costs
 from .migration_in import ACK_EVERY_BYTES, ACK_EVERY_FRAMES
 from .proto import kvferry_pb2 as pb
@@ -80,11 +80,25 @@ def target_refused(e: grpc.RpcError, target: str) -> KvferryError:
     cls = CODES.get(translate(e, target).code)
     if cls is None or cls in (KvferryError, RemoteError, AuthError, HostDownError):
         cls = MigrationError
+    if not _coded(e):  # the transport's own words would map the network for the caller
+        return cls(f"migration to {target} failed: the target did not answer ({e.code().name.lower()})")
     return cls(f"migration to {target} failed: {e.details() or e.code().name.lower()}")
 
 
 class MigrationSource:
     """Mixin of :class:`kvferry.server.HostServer`: moving its sessions out."""
+
+    def check_target(self, target: str) -> None:
+        """A client may move a session only to this host's peers (``serve --peers``,
+        else the cluster directory's hosts): the host dials out with its own
+        credentials, so an arbitrary address would make it a probe of the network."""
+        allowed = set(self.peers) or {h["address"] for h in (self.tell_directory("hosts") or [])}
+        if target not in allowed - {self.address}:
+            raise ForbiddenError(f"migration to {target} refused: not a peer of this host "
+                                 f"(serve --peers, or a host of its cluster)")
+        if self.tls is not None and self.tls.cert and self.client_tls is None:
+            raise ForbiddenError("migration refused: this host serves TLS, so it sends sessions only over "
+                                 "TLS (serve --peer-tls-ca)")
 
     def migrate_out(self, sid: str, slot: Slot, t: MigrationTicket) -> None:
         """Move a session: pre-copy stages while it keeps generating (live), then a

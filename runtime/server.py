@@ -13,6 +13,7 @@ and in (:mod:`kvferry.migration_in`). This module only relays requests to them.
 from __future__ import annotations
 
 import functools
+import logging
 import socket
 import threading
 import time
@@ -26,29 +27,39 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from . import addresses
 from .checkpoint.snapshot import snapshot
 from .drain import DRAIN_TIMEOUT, Drainer
-from .errors import ConfigError, GuestError, HostDrainingError, KvferryError, ModelMismatchError, SessionBusyError
+from .errors import (ConfigError, ForbiddenError, GuestError, HostDrainingError, KvferryError, ModelMismatchError,
+                     SessionBusyError, UnknownSessionError)
+from .keys import NOBODY, Key, Keyring
 from .host import ModelHost
 from .migration_in import Incoming, MigrationTarget, expire
 from .migration_out import MigrationSource, MigrationTicket
 from .params import MIGRATE_DEFAULTS, MIGRATE_MODES, SAMPLING, SamplingParams, SessionOptions
 from .paths import home
+from .policy import HostPolicy
 from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
 from .slots import Slot, TurnDriver, TurnFeed
 from .transport import AuthInterceptor, TLSConfig, abort, grpc_options, is_loopback
 
-JANITOR_S = 5.0  # s between sweeps of idle incoming migrations and old redirects
+JANITOR_S = 5.0  # s between sweeps of idle sessions, idle incoming migrations and old redirects
+log = logging.getLogger("kvferry.server")
+MAX_GUEST_WASM = 16 << 20  # bytes of an uploaded guest module (the bundled chat guest is ~40 KB)
 
 
-def _params(r: pb.CreateRequest) -> tuple[SamplingParams, SessionOptions]:
-    """A CreateRequest's sampling and options; proto3 zeros mean "the default"."""
+def _params(r: pb.CreateRequest, policy: HostPolicy) -> tuple[SamplingParams, SessionOptions]:
+    """A CreateRequest's sampling and options; proto3 zeros mean "the default" (never
+    over the host's limits); what a client asks for explicitly is checked against them."""
     sp, o = r.sampling, r.options
+    max_tokens = sp.max_tokens or min(SAMPLING.max_tokens, policy.max_tokens)
     sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p or SAMPLING.top_p, top_k=sp.top_k,
-                              max_tokens=sp.max_tokens or SAMPLING.max_tokens, seed=sp.seed, stop=tuple(sp.stop),
-                              ignore_eos=sp.ignore_eos) if r.HasField("sampling") else SamplingParams()
+                              max_tokens=max_tokens, seed=sp.seed, stop=tuple(sp.stop),
+                              ignore_eos=sp.ignore_eos) if r.HasField("sampling") else \
+        SamplingParams(max_tokens=max_tokens)
     d = SessionOptions()
     options = SessionOptions(ctx=o.ctx or d.ctx, prefill_step=o.prefill_step or d.prefill_step,
-                             kv_bits=o.kv_bits or d.kv_bits, deadline_ms=o.deadline_ms or d.deadline_ms)
+                             kv_bits=o.kv_bits or d.kv_bits,
+                             deadline_ms=o.deadline_ms or min(d.deadline_ms, policy.max_deadline_ms))
+    policy.check(sampling, options)
     return sampling, options
 
 
@@ -59,17 +70,20 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
                  tls: TLSConfig | None = None, client_tls: TLSConfig | None = None,
                  directory: Any = None, node: str | None = None, allow_no_auth: bool = False,
                  advertise: str | None = None, peers: tuple[str, ...] = (), drain_dir: str | None = None,
-                 drain_timeout: float = DRAIN_TIMEOUT):
+                 drain_timeout: float = DRAIN_TIMEOUT, keys: Keyring | None = None):
         """``advertise``: the HOST:PORT clients and peers dial (default: see
         kvferry.addresses); ``peers``: the hosts this one may hand sessions to;
         ``drain_dir``: where a drain saves what no peer takes ("": under
         $KVFERRY_HOME/drain/, per address; None: nowhere)."""
         h, _, _ = bind.rpartition(":")
-        if token is None and not (allow_no_auth and is_loopback(h)):
+        if keys is None and token is not None:
+            keys = Keyring({token: Key("admin", "admin")})
+        if keys is None and not (allow_no_auth and is_loopback(h)):
             raise ConfigError("refusing to serve without a token (set --token, or --no-auth on a "
                               "loopback address)")
         self.host = host
-        self.token = token
+        self.keys = keys
+        self.token = keys.outgoing() if keys is not None else None  # what it dials its peers with
         self.tls = tls
         self.client_tls = client_tls  # for outgoing migration connections
         self.peers = tuple(peers)
@@ -82,13 +96,18 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
         self.committed: dict[str, float] = {}  # migration id -> when (answers a re-sent Begin or commit)
         self.aborted: dict[str, float] = {}  # migration id -> when it was abandoned (never committed after)
         self.registry_lock = threading.Lock()
-        self.executor = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvferry-rpc")
+        policy = host.policy
+        self.executor = futures.ThreadPoolExecutor(max_workers=policy.max_concurrent_rpcs + 8,
+                                                   thread_name_prefix="kvferry-rpc")
+        # landed turns generate on their own threads: a flood of calls cannot starve them
+        self.drivers = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvferry-drive")
         # accept the clients' 20 s keepalive pings during long calls (a prefill of
         # thousands of tokens on a CPU), instead of answering GOAWAY too_many_pings
         options = grpc_options() + [("grpc.http2.min_recv_ping_interval_without_data_ms", 10000),
                                     ("grpc.http2.max_ping_strikes", 0),
                                     ("grpc.keepalive_permit_without_calls", 1)]
-        self.server = grpc.server(self.executor, options=options, interceptors=[AuthInterceptor(token)])
+        self.server = grpc.server(self.executor, options=options, interceptors=[AuthInterceptor(keys, policy.calls_per_key)],
+                                  maximum_concurrent_rpcs=policy.max_concurrent_rpcs)
         pbg.add_SessionsServicer_to_server(_Sessions(self), self.server)
         pbg.add_MigrationServicer_to_server(MigrationTarget(self), self.server)
         # grpc.health.v1 for load balancers and probes (no token: it tells only the status)
@@ -117,6 +136,18 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
         threading.Thread(target=self._janitor, daemon=True, name="kvferry-janitor").start()
         return self
 
+    def caller(self, context) -> Key:
+        """The key a call came with (the interceptor has let only known keys through)."""
+        if self.keys is None:
+            return NOBODY
+        return self.keys.lookup(dict(context.invocation_metadata()).get("authorization", "")) or Key("?", "client")
+
+    def check_owner(self, sid: str, key: Key) -> None:
+        """A client key sees only its own sessions: another's answers as unknown."""
+        s = self.host.sessions.get(sid)
+        if s is not None and not key.admin and s.owner != key.name:
+            raise UnknownSessionError(f"unknown session '{sid}'")
+
     def refuse_if_draining(self) -> None:
         if self.draining:
             raise HostDrainingError(f"{self.address} is draining: it takes no new sessions")
@@ -133,6 +164,7 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
         # join the RPC threads now: threads that ran MLX work must not be torn down
         # at interpreter exit (their thread-local MLX state would abort the process)
         self.executor.shutdown(wait=True, cancel_futures=True)
+        self.drivers.shutdown(wait=True, cancel_futures=True)
 
     def _janitor(self) -> None:
         while True:
@@ -140,6 +172,9 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
             now = time.monotonic()
             expire(self, now)
             self.forget_moves(now)
+            for sid in self.expire_idle(now):
+                log.info("session %s: closed after %g s idle (serve --session-ttl)", sid,
+                         self.host.policy.session_ttl_s)
 
 
 def _guarded(fn: Callable) -> Callable:
@@ -182,11 +217,13 @@ class _Sessions(pbg.SessionsServicer):
         if r.model and r.model not in (h.lm.name, str(h.lm.path)):
             raise ModelMismatchError(f"model mismatch: this host serves '{h.lm.name}', not '{r.model}'")
         self.srv.refuse_if_draining()
-        sampling, options = _params(r)
+        sampling, options = _params(r, h.policy)
+        if len(r.guest_wasm) > MAX_GUEST_WASM:
+            raise GuestError(f"client.wasm: {len(r.guest_wasm)} bytes, over the {MAX_GUEST_WASM >> 20} MiB a guest may be")
         guest = h.engine.compile(r.guest_wasm, "client.wasm") if r.guest_wasm else None
         if guest is not None and guest.kind != "chat":
             raise GuestError("client.wasm: not a chat guest")
-        s = h.create_session(guest, sampling, options, r.session_id or None)
+        s = h.create_session(guest, sampling, options, r.session_id or None, owner=self.srv.caller(context).name)
         self.srv.arrived(s.id)
         if r.system:
             s.messages.append({"role": "system", "content": r.system})
@@ -196,6 +233,7 @@ class _Sessions(pbg.SessionsServicer):
     @_guarded_stream
     def Send(self, r, context):
         srv = self.srv
+        srv.check_owner(r.session_id, srv.caller(context))
         if (to := srv.where(r.session_id)) is not None and r.session_id not in srv.host.sessions:
             yield pb.TokenChunk(index=-1, token=-1, moved_to=to)  # index -1: nothing ran here, resend there
             return
@@ -218,17 +256,20 @@ class _Sessions(pbg.SessionsServicer):
         finally:
             slot.lock.release()
 
-    @staticmethod
-    def _follow(feed: TurnFeed, from_index: int, context) -> Iterator[pb.TokenChunk]:
+    def _follow(self, feed: TurnFeed, from_index: int, context) -> Iterator[pb.TokenChunk]:
         for j in range(max(0, from_index), len(feed.earlier)):
             yield pb.TokenChunk(index=j, token=feed.earlier[j][0], text=feed.earlier[j][1])
         i = 0
+        idle = self.srv.host.policy.stream_idle_s
         while True:
             with feed.cond:
+                quiet = time.monotonic()
                 while i >= len(feed.chunks) and not feed.done:
+                    feed.read_at = time.monotonic()  # followed: the host keeps generating it
                     feed.cond.wait(0.5)
-                    if not context.is_active():
+                    if not context.is_active() or time.monotonic() - quiet > idle:
                         return
+                feed.read_at = time.monotonic()
                 batch, done = feed.chunks[i:], feed.done
             i += len(batch)
             for c in batch:
@@ -239,6 +280,7 @@ class _Sessions(pbg.SessionsServicer):
 
     @_guarded_stream
     def Snapshot(self, r, context):
+        self.srv.check_owner(r.session_id, self.srv.caller(context))
         slot = self.srv.slot(r.session_id)
         if not slot.lock.acquire(timeout=30):
             raise SessionBusyError(f"session {r.session_id} is busy")
@@ -253,7 +295,8 @@ class _Sessions(pbg.SessionsServicer):
     def Restore(self, request_iterator, context):
         self.srv.refuse_if_draining()
         new_id = dict(context.invocation_metadata()).get("kvferry-session-id") or None
-        s = self.srv.host.restore((c.data for c in request_iterator), session_id=new_id)
+        s = self.srv.host.restore((c.data for c in request_iterator), session_id=new_id,
+                                  owner=self.srv.caller(context).name)  # the caller's, whatever the file says
         self.srv.arrived(s.id)
         self.srv.tell_directory("register_session", s.id, self.srv.address)
         return self.srv.info(s)
@@ -261,11 +304,13 @@ class _Sessions(pbg.SessionsServicer):
     @_guarded_stream
     def Migrate(self, r, context):
         srv = self.srv
+        srv.check_owner(r.session_id, srv.caller(context))
         if not 0 <= r.rate_mb_s < 1e6:
             raise ConfigError(f"rate_mb_s must be between 0 and 1e6 MB/s, not {r.rate_mb_s}")
         slot = srv.slot(r.session_id)  # here, or a redirect to where it went
         if r.target == srv.address:
             raise ConfigError(f"session {r.session_id} is already on {r.target}")
+        srv.check_target(r.target)
         with srv.registry_lock:
             if slot.migrating:
                 raise SessionBusyError(f"session {r.session_id}: a migration is already in progress")
@@ -285,6 +330,7 @@ class _Sessions(pbg.SessionsServicer):
     @_guarded
     def Close(self, r, context):
         srv = self.srv
+        srv.check_owner(r.session_id, srv.caller(context))
         slot = srv.slot(r.session_id)
         if (feed := srv.feeds.pop(r.session_id, None)) is not None:
             feed.cancel = True
@@ -302,6 +348,8 @@ class _Sessions(pbg.SessionsServicer):
     @_guarded
     def Drain(self, r, context):
         srv = self.srv
+        if not (key := srv.caller(context)).admin:
+            raise ForbiddenError(f"key '{key.name}' may not drain this host (an admin key may)")
         out = srv.drain(r.timeout_s or srv.drain_timeout)
         if r.exit:
             srv.finished.set()
@@ -310,12 +358,15 @@ class _Sessions(pbg.SessionsServicer):
 
     @_guarded
     def Info(self, r, context):
+        self.srv.check_owner(r.session_id, self.srv.caller(context))
         self.srv.slot(r.session_id)  # unknown, or moved: a redirect
         return self.srv.info(self.srv.host.get(r.session_id))
 
     @_guarded
     def ListSessions(self, r, context):
-        return pb.SessionList(sessions=[self.srv.info(s) for s in list(self.srv.host.sessions.values())])
+        key = self.srv.caller(context)
+        return pb.SessionList(sessions=[self.srv.info(s) for s in list(self.srv.host.sessions.values())
+                                        if key.admin or s.owner == key.name])
 
     @_guarded
     def ListHosts(self, r, context):

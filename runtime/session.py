@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .errors import ConfigError, PromptTooLongError, SessionError
+from .errors import ConfigError, GuestAbiError, PromptTooLongError, SessionError
 from .guest import GuestLimits, GuestModule, MemoryImage
 from .params import SamplingParams, SessionOptions
 
@@ -76,6 +76,7 @@ class SessionState:
     module: GuestModule
     memory: MemoryImage | None = None
     kv_epoch: int = 0
+    owner: str = ""  # the name of the key that created it (kvferry.keys)
 
 
 class _TextStream:
@@ -130,6 +131,8 @@ class Session:
         self.host = host
         self.lm = host.lm
         self.id = session_id or uuid.uuid4().hex[:12]
+        if (policy := getattr(host, "policy", None)) is not None:  # the host's limits, however it came
+            sampling, options = policy.clamp(sampling, options)
         self.sampling, self.options = sampling, options
         context = int(self.lm.config.get("max_position_embeddings") or 4096)
         options.validate(context)
@@ -155,6 +158,12 @@ class Session:
         self.turn: TurnState | None = None
         self.kv_epoch = 0  # bumped whenever cached KV is rewritten (trim/reset), not just appended
         self.step_seconds = 0.0  # recent time of one decode step (paces a live migration)
+        # Model work a guest may ask for now, in tokens: the pending prompt in begin,
+        # that plus one token in a step, nothing in any other export.
+        self._budget = 0
+        self._prompt_left = 0
+        self.last_used = time.monotonic()  # idle expiry (serve --session-ttl)
+        self.owner = ""  # the name of the key that created it (kvferry.keys)
         self.closed = False
         if configure:  # restored sessions bring their guest memory (config, PRNG) instead
             self.configure(sampling)
@@ -204,9 +213,17 @@ class Session:
         return {"vocab_size": self.vocab_size, "context": self.context,
                 "n_tokens": len(self.history), "eos": self.eos}
 
+    def _spend(self, fn: str, n: int) -> None:
+        if n > self._budget:
+            raise GuestAbiError(f"{fn}: {n} token(s) asked, this call may run the model over "
+                                f"{self._budget} more (the pending prompt, plus one token per step)")
+        self._budget -= n
+
     def prefill(self, tokens: list[int]) -> None:
         import mlx.core as mx
 
+        self._spend("kv_prefill", len(tokens))
+        self._prompt_left = max(0, self._prompt_left - len(tokens))
         if self.options.ctx is None and len(self.history) + len(tokens) > self.context:
             raise PromptTooLongError(f"context full: {len(self.history)} + {len(tokens)} tokens "
                                      f"exceed the context of {self.context}")
@@ -225,6 +242,7 @@ class Session:
     def decode(self, token: int) -> None:
         import mlx.core as mx
 
+        self._spend("kv_decode", 1)
         if self.options.ctx is None and len(self.history) + 1 > self.context:
             raise SessionError(f"context full ({self.context} tokens)")
         self._logits = self.lm.model(mx.array([[token]], dtype=mx.int32), cache=self.cache)[0, -1]
@@ -246,13 +264,18 @@ class Session:
         if max_tokens < 0:
             raise SessionError(f"max_tokens must be positive, not {max_tokens}")
         self._check_open()
-        self.messages.append({"role": role, "content": text})
+        policy = getattr(self.host, "policy", None)
+        if policy is not None and len(text) * 4 > policy.max_message_bytes \
+                and (n := len(text.encode("utf-8", "replace"))) > policy.max_message_bytes:
+            raise PromptTooLongError(f"message is {n} bytes, this host takes at most {policy.max_message_bytes}")
+        messages = [*self.messages, {"role": role, "content": text}]
         try:
-            tokens = list(self.lm.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True))
+            tokens = list(self.lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         except Exception as e:
-            self.messages.pop()
             raise SessionError(f"chat template failed: {e}") from None
-        return self._turn(tokens, record=True, max_tokens=max_tokens)
+        events = self._turn(tokens, record=True, max_tokens=max_tokens)
+        self.messages = messages  # only a turn that began: a refused prompt leaves no trace
+        return events
 
     def complete(self, prompt: str | list[int]) -> Iterator[TokenEvent]:
         """Raw completion: continue ``prompt`` (text or ids) with no chat template."""
@@ -298,7 +321,12 @@ class Session:
             raise PromptTooLongError(f"prompt is {len(new)} tokens, the context holds {self.context}")
         ptr = self._buffer(4 * len(new))
         self.guest.write(ptr, np.asarray(new, dtype=np.int32))
-        if self.guest.call("kvferry_chat_begin", ptr, len(new)) < 0:
+        self._prompt_left = self._budget = len(new)
+        try:
+            rc = self.guest.call("kvferry_chat_begin", ptr, len(new))
+        finally:
+            self._budget = 0
+        if rc < 0:
             raise SessionError(f"guest '{self.guest.name}' refused a turn of {len(new)} tokens")
         self.turn = TurnState(n_prompt=len(new), record=record, tokens=[], texts=[],
                               stream=_TextStream(self.lm.tokenizer, self.sampling.stop), max_tokens=max_tokens)
@@ -319,6 +347,7 @@ class Session:
         stream.emitted = sum(len(x) for x in texts)
         self.turn = TurnState(n_prompt=n_prompt, record=record, tokens=list(tokens), texts=list(texts),
                               stream=stream, max_tokens=max_tokens)
+        self._prompt_left = 0 if tokens else n_prompt
 
     def _steps(self, replay_from: int | None = None) -> Iterator[TokenEvent]:
         turn = self.turn
@@ -340,8 +369,12 @@ class Session:
                 finish = "length"
                 break
             t_step = time.perf_counter()
-            with self.host.compute:
+            self._budget = self._prompt_left + 1
+            try:  # guest code runs outside the compute lock; its model calls take it
                 tok = self.guest.call("kvferry_chat_step")
+            finally:
+                self._budget = 0
+            self.last_used = time.monotonic()
             if n_new:  # the first step of a turn includes its prefill
                 dt = time.perf_counter() - t_step
                 self.step_seconds = 0.8 * self.step_seconds + 0.2 * dt if self.step_seconds else dt
@@ -386,7 +419,7 @@ class Session:
                                        "texts": list(t.texts), "max_tokens": t.max_tokens}
         return SessionState(self.id, self.sampling, self.options, self.context, list(self.cache),
                             list(self.history), list(self.messages), turn, self.guest.module,
-                            self.guest.memory_image() if memory else None, self.kv_epoch)
+                            self.guest.memory_image() if memory else None, self.kv_epoch, self.owner)
 
     @classmethod
     def from_state(cls, host: Any, state: SessionState, session_id: str | None = None) -> "Session":
@@ -399,6 +432,7 @@ class Session:
             s.cache = list(state.caches)
             s.history = list(state.history)
             s.messages = list(state.messages)
+            s.owner = state.owner
             if state.turn is not None:
                 s.restore_turn(**state.turn)
         except BaseException:

@@ -44,6 +44,7 @@ class TurnFeed:
     # (token, text) the turn had when it landed: re-sent only to a client asking
     # from an earlier index, so generation resumes without replaying them first
     earlier: list = field(default_factory=list)
+    read_at: float = field(default_factory=time.monotonic)  # when a follower last took chunks
 
     def put(self, c: Any = None, done: bool = False) -> None:
         with self.cond:
@@ -105,11 +106,38 @@ class TurnDriver:
     def slot(self, sid: str) -> Slot:
         """The session's slot; a session that left answers with where it went."""
         with self.registry_lock:
-            if sid not in self.host.sessions:
+            s = self.host.sessions.get(sid)
+            if s is None:
                 if (to := self.where(sid)) is not None:
                     raise SessionMovedError(f"session '{sid}' moved to {to}", to)
                 raise UnknownSessionError(f"unknown session '{sid}'")
+            s.last_used = time.monotonic()  # any use keeps a session from idle expiry
             return self.slots.setdefault(sid, Slot())
+
+    def expire_idle(self, now: float) -> list[str]:
+        """Close the sessions idle for longer than the host's TTL (serve --session-ttl);
+        never one that is generating or migrating."""
+        ttl = self.host.policy.session_ttl_s
+        gone = []
+        for sid, s in list(self.host.sessions.items()) if ttl else ():
+            if now - s.last_used < ttl:
+                continue
+            with self.registry_lock:
+                slot = self.slots.setdefault(sid, Slot())
+                if slot.migrating or not slot.lock.acquire(blocking=False):
+                    continue
+            try:
+                if now - s.last_used < ttl or self.host.sessions.get(sid) is not s:
+                    continue
+                self.host.close_session(sid)
+                with self.registry_lock:
+                    self.slots.pop(sid, None)
+                    self.feeds.pop(sid, None)
+                gone.append(sid)
+            finally:
+                slot.lock.release()
+            self.tell_directory("forget_session", sid)
+        return gone
 
     def info(self, s) -> pb.SessionInfo:
         m = s.memory()
@@ -147,11 +175,19 @@ class TurnDriver:
 
     def drive(self, sid: str, slot: Slot, feed: TurnFeed) -> None:
         """Generate a landed turn into ``feed`` (holds the slot like a Send would)."""
+        grace = self.host.policy.unread_grace_s
+
+        def read() -> bool:  # someone follows it (or did recently): a turn no one reads stops
+            return not feed.cancel and time.monotonic() - feed.read_at < grace
         try:
             s = self.host.get(sid)
-            for c in self.run_turn(s, slot, s.continue_turn(len(feed.earlier)), lambda: not feed.cancel):
+            for c in self.run_turn(s, slot, s.continue_turn(len(feed.earlier)), read):
                 feed.put(c)
                 time.sleep(0)  # hand the GIL to the follower now, not after the next step's graph
+            if not feed.cancel and s.turn is not None:  # paused unread: the turn stays open for
+                with self.registry_lock:                # a later continue_turn, its feed goes
+                    if self.feeds.get(sid) is feed:
+                        del self.feeds[sid]
         except Exception as e:  # reported to whoever follows the feed; the session stays
             feed.put(pb.TokenChunk(index=-1, token=-1, finish_reason="error", text=str(e)))
         finally:

@@ -8,17 +8,19 @@ grpcio is needed here, so the SDK stays a thin client.
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
+import threading
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
 
-from .errors import CODES, ERROR_KEY, AuthError, HostDownError, KvferryError, RemoteError, remote
+from .errors import (CODES, ERROR_KEY, AuthError, ForbiddenError, HostDownError, KvferryError, RemoteError,
+                     TooManyCallsError, remote)
 
-MAX_MESSAGE = 64 << 20
+MAX_MESSAGE = (256 << 20) + (1 << 20)  # a checkpoint frame (checkpoint.frames.MAX_BODY) plus its envelope
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
+MIGRATION_SERVICE = "/kvferry.v1.Migration/"
 
 
 def grpc_options() -> list[tuple[str, int]]:
@@ -110,21 +112,41 @@ def translate(e: grpc.RpcError, address: str) -> RemoteError:
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
-    """Every call must carry the shared secret; compared in constant time."""
+    """Every call must carry a key of the host's keyring (kvferry.keys), whose role
+    allows the service: peers only the host-to-host Migration service, clients only
+    the Sessions service, admins both. ``keys`` None: no auth (loopback only)."""
 
-    def __init__(self, token: str | None):
-        self.expected = f"Bearer {token}".encode() if token else None
+    def __init__(self, keys: Any, calls_per_key: int = 0):
+        """``calls_per_key``: calls a client or peer key may have in flight at once (0:
+        no limit; admin and peer keys have none), so one key cannot take every worker thread."""
+        self.keys = keys
+        self.calls_per_key = calls_per_key
+        self.in_flight: dict[str, int] = {}
+        self.lock = threading.Lock()
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if self.expected is None or handler is None or details.method.startswith(HEALTH_SERVICE):
+        if self.keys is None or handler is None or details.method.startswith(HEALTH_SERVICE):
             return handler  # probes carry no token; the health service reveals only the status
-        got = dict(details.invocation_metadata).get("authorization", "")
-        if hmac.compare_digest(got.encode(), self.expected):
-            return handler
+        key = self.keys.lookup(dict(details.invocation_metadata).get("authorization", ""))
+        migration = details.method.startswith(MIGRATION_SERVICE)
+        if key is None:
+            error: KvferryError = AuthError("auth failed: missing or wrong token")
+        elif migration and key.role not in ("peer", "admin"):
+            error = ForbiddenError(f"key '{key.name}' is a {key.role} key: the migration service takes "
+                                   "only hosts (a peer key)")
+        elif not migration and key.role == "peer":
+            error = ForbiddenError(f"key '{key.name}' is a peer key: it may only migrate sessions between hosts")
+        elif key.role != "client" or not self.calls_per_key:
+            return handler  # admins and peer hosts are not rationed
+        elif not self._enter(key.name):
+            error = TooManyCallsError(f"key '{key.name}' has {self.calls_per_key} calls in flight, its "
+                                      "limit; retry when one ends")
+        else:
+            return self._counted(handler, key.name)
 
         def deny(request, context):
-            abort(context, AuthError("auth failed: missing or wrong token"))
+            abort(context, error)
 
         if handler.request_streaming and handler.response_streaming:
             return grpc.stream_stream_rpc_method_handler(deny)
@@ -133,3 +155,38 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(deny)
         return grpc.unary_unary_rpc_method_handler(deny)
+
+    def _enter(self, name: str) -> bool:
+        with self.lock:
+            if self.in_flight.get(name, 0) >= self.calls_per_key:
+                return False
+            self.in_flight[name] = self.in_flight.get(name, 0) + 1
+            return True
+
+    def _leave(self, name: str) -> None:
+        with self.lock:
+            self.in_flight[name] -= 1
+
+    def _counted(self, handler, name: str):
+        """``handler``, counting one call of key ``name`` until it ends (taken in _enter)."""
+        behavior = (handler.stream_stream or handler.stream_unary or handler.unary_stream
+                    or handler.unary_unary)
+        if handler.response_streaming:
+            def run(request, context):
+                try:
+                    yield from behavior(request, context)
+                finally:
+                    self._leave(name)
+        else:
+            def run(request, context):
+                try:
+                    return behavior(request, context)
+                finally:
+                    self._leave(name)
+        make = {(True, True): grpc.stream_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (False, False): grpc.unary_unary_rpc_method_handler}[(handler.request_streaming,
+                                                                       handler.response_streaming)]
+        return make(run, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)

@@ -19,7 +19,7 @@ CHUNK = 4 << 20  # checkpoint bytes per message on Restore
 def sampling_message(kw: dict) -> pb.Sampling:
     d = SAMPLING
     return pb.Sampling(temperature=kw.pop("temperature", d.temperature), top_p=kw.pop("top_p", d.top_p),
-                       top_k=kw.pop("top_k", d.top_k), max_tokens=kw.pop("max_tokens", d.max_tokens),
+                       top_k=kw.pop("top_k", d.top_k), max_tokens=kw.pop("max_tokens", 0),  # 0: the host's default
                        seed=kw.pop("seed", d.seed), stop=list(kw.pop("stop", d.stop)),
                        ignore_eos=kw.pop("ignore_eos", d.ignore_eos))
 
@@ -28,7 +28,7 @@ def options_message(kw: dict) -> pb.Options:
     d = OPTIONS
     return pb.Options(ctx=kw.pop("ctx", d.ctx) or 0, prefill_step=kw.pop("prefill_step", d.prefill_step),
                       kv_bits=kw.pop("kv_bits", d.kv_bits) or 0,
-                      deadline_ms=kw.pop("deadline_ms", d.deadline_ms))
+                      deadline_ms=kw.pop("deadline_ms", 0.0))  # 0: the host's default (never over its limit)
 
 
 def create_request(model, guest, system, session_id, kw: dict) -> pb.CreateRequest:

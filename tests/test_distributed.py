@@ -98,11 +98,20 @@ class Serve:
             pass
 
 
+# Hosts migrate only to their peers (serve --peers): the ports of every host these
+# tests start are chosen up front, so A and B can name the later ones as peers.
+PORTS = {name: free_port() for name in ("a", "b", "other", "victim", "small")}
+
+
+def peers(*names: str) -> tuple[str, str]:
+    return "--peers", ",".join(f"127.0.0.1:{PORTS[n]}" for n in names)
+
+
 @pytest.fixture(scope="module")
 def two_hosts(smollm_dir):
-    a = Serve()
+    a = Serve(*peers("b", "other", "victim", "small"), port=PORTS["a"])
     try:
-        b = Serve()
+        b = Serve(*peers("a", "other", "victim", "small"), port=PORTS["b"])
     except Exception:
         a.stop()
         raise
@@ -201,7 +210,7 @@ def test_async_sdk(two_hosts):
 
 def test_target_without_the_model(two_hosts, tiny_model):
     a, _ = two_hosts
-    other = Serve("--model", str(tiny_model))
+    other = Serve("--model", str(tiny_model), port=PORTS["other"])
     try:
         c = Client(a.address, TOKEN)
         s = c.create_session(max_tokens=16)
@@ -220,7 +229,7 @@ def test_target_without_the_model(two_hosts, tiny_model):
 
 def test_target_killed_mid_stream(two_hosts):
     a, _ = two_hosts
-    victim = Serve()
+    victim = Serve(port=PORTS["victim"])
     try:
         c = Client(a.address, TOKEN)
         s = c.create_session(max_tokens=8)
@@ -244,7 +253,7 @@ def test_source_killed_after_the_target_committed(two_hosts):
     """The source dies right after the handoff: the session lives on the target
     only, and the reply continues there with no token lost or repeated."""
     _, b = two_hosts
-    victim = Serve()
+    victim = Serve(*peers("a", "b"), port=PORTS["victim"])
     try:
         s = Client(victim.address, TOKEN).create_session(max_tokens=40, ignore_eos=True)
         twin = Client(b.address, TOKEN).create_session(max_tokens=40, ignore_eos=True)
@@ -286,7 +295,7 @@ def test_target_out_of_memory(two_hosts):
     """A target that cannot hold the session's KV refuses it while frames
     arrive; the session stays on the source and continues identically."""
     a, _ = two_hosts
-    small = Serve("--max-kv-mb", "4")
+    small = Serve("--max-kv-mb", "4", port=PORTS["small"])
     try:
         c = Client(a.address, TOKEN)
         s = c.create_session(max_tokens=8)

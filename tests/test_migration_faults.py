@@ -17,6 +17,7 @@ TOKEN = "faults"
 def pair(tiny_model):
     hosts = [ModelHost(str(tiny_model), progress=False) for _ in range(2)]
     servers = [HostServer(h, "127.0.0.1:0", token=TOKEN).start() for h in hosts]
+    servers[0].peers, servers[1].peers = (servers[1].address,), (servers[0].address,)  # migrations go to peers only
     yield servers
     for s, h in zip(servers, hosts):
         s.stop()

@@ -24,8 +24,8 @@ def lan(smollm_dir):
     net = netns.Net(2)
     hosts = []
     try:
-        for m in net.machines:
-            hosts.append(Serve(machine=m))
+        for m, other in zip(net.machines, reversed(net.machines)):
+            hosts.append(Serve("--peers", f"{other.ip}:50051", machine=m))
         yield net, hosts
     finally:
         for h in hosts:

@@ -124,6 +124,22 @@ def cmd_bench_chaos(a) -> int:
     return 0 if ok else 1
 
 
+def cmd_bench_hostile(a) -> int:
+    from .hostile import ATTACKS, FAST, run
+
+    names = FAST if a.fast else tuple(a.attack or ATTACKS)
+    if unknown := [n for n in names if n not in ATTACKS]:
+        raise KvferryError(f"unknown attack '{unknown[0]}' (choose from {', '.join(ATTACKS)})")
+    r = run(names, progress=(lambda m: print(m, file=sys.stderr)))
+    if a.json:
+        print_json(r)
+    else:
+        for name, row in r["attacks"].items():
+            print(f"{name:24} {'contained' if row['contained'] else 'NOT CONTAINED':14} tpot x{row['bystander_tpot_ratio']}"
+                  f"  rss +{row['host_rss_growth_mb']} MB  lost {row['sessions_lost']}  {row['error'][:70]}")
+    return 0 if r["all_contained"] and r["sessions_lost"] == 0 else 1
+
+
 def register(sub, add: Callable) -> None:
     b = sub.add_parser("bench", help="benchmarks (print JSON with --json)").add_subparsers(
         dest="sub", required=True)
@@ -178,3 +194,8 @@ def register(sub, add: Callable) -> None:
     bh.add_argument("--clients", type=int, default=8)
     bh.add_argument("--seed", type=int, default=0)
     bh.add_argument("--json", action="store_true")
+    bo = add(b, "hostile", cmd_bench_hostile, "every known attack on a live host while a bystander chats "
+             "(docs/security.md)")
+    bo.add_argument("--attack", action="append", help="run only this attack (repeatable)")
+    bo.add_argument("--fast", action="store_true", help="only the fast attacks (what CI runs)")
+    bo.add_argument("--json", action="store_true")

@@ -47,9 +47,11 @@ def _free_port() -> int:
 
 
 class _Host:
-    def __init__(self, token: str, threads: int | None = None, cpus: str | None = None):
-        self.port = _free_port()
-        extra = (["--threads", str(threads)] if threads else []) + (["--cpus", cpus] if cpus else [])
+    def __init__(self, token: str, threads: int | None = None, cpus: str | None = None, port: int = 0,
+                 peer_port: int = 0):
+        self.port = port or _free_port()
+        extra = (["--threads", str(threads)] if threads else []) + (["--cpus", cpus] if cpus else []) + \
+            (["--peers", f"127.0.0.1:{peer_port}"] if peer_port else [])
         self.proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--port", str(self.port), *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "KVFERRY_TOKEN": token}, start_new_session=True)
@@ -109,7 +111,9 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
 
     token = secrets.token_urlsafe(16)
     cpus = split_cpus() if pin else None
-    a, b = _Host(token, threads, cpus and cpus[0]), _Host(token, threads, cpus and cpus[1])
+    pa, pb = _free_port(), _free_port()  # each names the other as its peer (migrations go to peers only)
+    a = _Host(token, threads, cpus and cpus[0], pa, pb)
+    b = _Host(token, threads, cpus and cpus[1], pb, pa)
     rows = []
     try:
         ca, cb = Client(a.address, token), Client(b.address, token)

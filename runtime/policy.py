@@ -1,0 +1,71 @@
+"""A host's limits: what any one client, session or checkpoint may ask of it.
+
+One :class:`HostPolicy` per host (``kvferry serve`` flags). It is applied where a
+session is born, however it comes (create, restore, migration landing), so a
+checkpoint cannot choose its own sandbox and a client cannot choose a bigger
+one. Every default is listed in ``docs/security.md``. Pure Python: a client may
+import it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from .errors import ConfigError
+
+
+def machine_memory() -> int:
+    """Physical memory of this machine, in bytes (0 when unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+@dataclass(frozen=True)
+class HostPolicy:
+    max_sessions: int = 256  # sessions held at once (created, restored or landed)
+    session_ttl_s: float = 3600.0  # idle seconds before a session is closed (0: never)
+    max_deadline_ms: float = 5000.0  # guest time per call, at most
+    max_guest_bytes: int = 64 << 20  # a guest's memory cap, at most
+    max_tokens: int = 4096  # one reply, at most
+    max_message_bytes: int = 1 << 20  # one message's text, at most (checked before tokenizing)
+    max_modules: int = 16  # compiled guest modules kept (least recently used dropped)
+    unread_grace_s: float = 30.0  # a landed turn nobody reads stops generating after this
+    max_concurrent_rpcs: int = 256  # calls served at once; beyond, gRPC answers RESOURCE_EXHAUSTED
+    calls_per_key: int = 16  # calls one client key may have in flight (admin and peer keys: no limit)
+    stream_idle_s: float = 300.0  # a follower stream with nothing to send ends after this
+    kv_budget_bytes: int = 0  # KV the host may hold (restores, landings); 0: half the machine's memory
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_guest_bytes", "max_tokens", "max_message_bytes", "max_modules",
+                     "max_concurrent_rpcs", "calls_per_key"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
+        for name in ("session_ttl_s", "unread_grace_s", "stream_idle_s", "kv_budget_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}")
+        if not self.max_deadline_ms > 0:
+            raise ConfigError(f"--max-deadline-ms must be > 0, not {self.max_deadline_ms}")
+        if not self.kv_budget_bytes:
+            object.__setattr__(self, "kv_budget_bytes", machine_memory() // 2)
+
+    def check(self, sampling, options) -> None:
+        """A client's request: refused, in one line, when it asks past a limit."""
+        if sampling.max_tokens > self.max_tokens:
+            raise ConfigError(f"max_tokens {sampling.max_tokens} is over this host's limit of {self.max_tokens}")
+        if options.deadline_ms > self.max_deadline_ms:
+            raise ConfigError(f"deadline_ms {options.deadline_ms:g} is over this host's limit of "
+                              f"{self.max_deadline_ms:g}")
+        if options.memory_cap > self.max_guest_bytes:
+            raise ConfigError(f"guest memory cap {options.memory_cap} bytes is over this host's limit of "
+                              f"{self.max_guest_bytes}")
+
+    def clamp(self, sampling, options):
+        """A session arriving from elsewhere (a checkpoint, a peer): held to this host's limits."""
+        return (replace(sampling, max_tokens=min(sampling.max_tokens, self.max_tokens)),
+                replace(options, deadline_ms=min(options.deadline_ms, self.max_deadline_ms),
+                        memory_cap=min(options.memory_cap, self.max_guest_bytes)))
+
+

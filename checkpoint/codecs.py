@@ -31,6 +31,8 @@ Checkpoints written with the earlier affine codec (``q8``/``q4``) still load.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import zstandard as zstd
 
@@ -80,7 +82,7 @@ def _check_shape(shape, dtype: str, where: str) -> int:
     if not isinstance(shape, list) or not 1 <= len(shape) <= 8 or \
             not all(isinstance(d, int) and 0 <= d < 1 << 40 for d in shape):
         raise CheckpointError(f"{where}: malformed shape {shape!r}")
-    n = int(np.prod(shape, dtype=np.uint64)) * DTYPES[dtype][1]
+    n = math.prod(shape) * DTYPES[dtype][1]  # Python ints: a declared shape cannot wrap around
     if n > MAX_TENSOR_BYTES:
         raise CheckpointError(f"{where}: declares {n} bytes, over the {MAX_TENSOR_BYTES >> 30} GiB "
                               "tensor limit")

@@ -295,6 +295,9 @@ class Restorer:
                     raise CheckpointError(f"layer {i}: no KV frame")
                 if w.get("keys") is not None:
                     keep, max_size, offset, idx = w["meta"]
+                    if max_size != h["session"]["options"].get("ctx") or not 0 < max_size <= self.context:
+                        raise CheckpointError(f"layer {i}: rotating cache of {max_size} tokens does not match the "
+                                              f"session's context ({h['session']['options'].get('ctx')})")
                     c = RotatingKVCache.from_state((mx_from_bits(*w["_k"]), mx_from_bits(*w["_v"]),
                                                     offset, keep, max_size, idx))
                 else:

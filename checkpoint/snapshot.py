@@ -255,11 +255,20 @@ def snapshot(session: Any, mode: str = "lossless") -> Iterator[bytes]:
 
 def save(session: Any, path: str | os.PathLike, mode: str = "lossless") -> dict:
     """Write a checkpoint file atomically; returns sizes."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    import tempfile
+
     sn = Snapshotter(session, mode)
-    with open(tmp, "wb") as f:
-        f.write(sn.header())
-        for chunk in sn.finish():
-            f.write(chunk)
-    os.replace(tmp, path)
+    # a new file of our own next to the target (O_EXCL, mode 0600): never a path someone
+    # else placed there, such as a symlink; then an atomic rename over the target
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(sn.header())
+            for chunk in sn.finish():
+                f.write(chunk)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return {"bytes": sn.w.bytes, "raw_kv_bytes": sn.raw_kv_bytes, "frames": sn.w.count + 1}

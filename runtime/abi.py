@@ -8,6 +8,7 @@ and traps with a message naming the function and the bad argument.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import time
@@ -185,7 +186,7 @@ class HostFunctions:
         if any(d == 0 for d in shape):
             raise GuestAbiError(f"{fn}: {arg}.shape = {list(shape)} has a zero dimension")
         itemsize = DTYPES[code][2]
-        nbytes = int(np.prod(shape, dtype=np.uint64)) * itemsize
+        nbytes = math.prod(shape) * itemsize  # Python ints: no uint64 wrap-around
         self._span(fn, f"{arg}.offset", offset, nbytes, itemsize)
         return offset, code, shape, nbytes
 

@@ -151,7 +151,8 @@ class MigrationTarget(pbg.MigrationServicer):
                         srv.moved.pop(inc.session_id, None)
                         srv.committed[mid] = time.monotonic()
                         if inc.prepared.turn is not None:  # it moved mid-reply: generate on now
-                            slot = srv.slots.setdefault(inc.session_id, Slot())
+                            # a fresh slot (free: nothing can wait on it yet), never a wait under this lock
+                            slot = srv.slots[inc.session_id] = Slot()
                             slot.lock.acquire()
                             t = inc.prepared.turn
                             feed = srv.feeds[inc.session_id] = TurnFeed(earlier=list(zip(t.tokens, t.texts)))
@@ -170,10 +171,12 @@ class MigrationTarget(pbg.MigrationServicer):
                     if inc is not None and inc.prepared is not None:
                         inc.prepared.close()
                     inc = None
-        except KvferryError as e:
+        except (KvferryError, TypeError, ValueError, KeyError, AttributeError) as e:
             if inc is not None:
                 with srv.registry_lock:
                     srv.incoming = {k: v for k, v in srv.incoming.items() if v is not inc}
+            if not isinstance(e, KvferryError):  # a malformed message: one line, not UNKNOWN
+                e = MigrationError(f"malformed migration message ({type(e).__name__}: {e})")
             abort(context, e)
 
     def Status(self, ref, context):

@@ -261,7 +261,9 @@ class _Link:
         q.put(pb.MigrationMessage(begin=pb.Begin(migration_id=self.mid, session_id=self.sid,
                                                  fingerprint=self.s.lm.fingerprint, source=self.srv.address)))
         ack = next(self.acks)
-        self.acked, self.state = ack.next_seq, ack.state
+        for seq in range(self.acked, min(ack.next_seq, len(self.frames))):
+            self.frames[seq] = b""  # verified by the target: never resent, so not kept
+        self.acked, self.state = max(self.acked, ack.next_seq), ack.state
         for seq in range(self.acked, len(self.frames)):  # resume: resend what was not verified
             q.put(pb.MigrationMessage(frame=pb.FramePart(seq=seq, data=self.frames[seq])))
 
@@ -281,7 +283,9 @@ class _Link:
                 raise
             self._reconnect()
             return
-        self.acked, self.state = ack.next_seq, ack.state
+        for seq in range(self.acked, min(ack.next_seq, len(self.frames))):
+            self.frames[seq] = b""  # verified by the target: never resent, so not kept
+        self.acked, self.state = max(self.acked, ack.next_seq), ack.state
         self.ack_times.append((time.perf_counter(), self.ends[self.acked - 1] if self.acked else 0))
         if self.on_ack is not None:
             self.on_ack()

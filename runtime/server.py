@@ -333,7 +333,9 @@ class _Sessions(pbg.SessionsServicer):
         srv.check_owner(r.session_id, srv.caller(context))
         slot = srv.slot(r.session_id)
         if (feed := srv.feeds.pop(r.session_id, None)) is not None:
-            feed.cancel = True
+            feed.cancel = True  # its follower hears why the reply ends here, not a silent cut
+            feed.put(pb.TokenChunk(index=-1, token=-1, finish_reason="error",
+                                   text=f"session {r.session_id} was closed while its reply was generated"))
         if not slot.lock.acquire(timeout=30):
             raise SessionBusyError(f"session {r.session_id} is busy")
         try:

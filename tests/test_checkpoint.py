@@ -380,3 +380,29 @@ def test_mid_turn_checkpoint_continues_the_turn(host, sampling, tmp_path):
     assert "".join(e.text for e in head[:3]) + "".join(e.text for e in rest) == \
         "".join(e.text for e in full)
     assert b.messages == twin.messages
+
+
+def test_a_declared_shape_cannot_wrap_around():
+    """2^32 x 2^32 elements: a uint64 product wraps to 0 bytes and passed the size
+    check; Python integers do not wrap."""
+    with pytest.raises(CheckpointError, match="over the 8 GiB tensor limit"):
+        codecs._check_shape([1 << 32, 1 << 32], "float32", "crafted")
+
+
+def test_save_never_writes_through_a_planted_symlink(host, tmp_path):
+    """A symlink planted where save() used to put its temporary file (path.tmpPID)
+    made the host overwrite the link's target; now the temporary file is a new one
+    of its own, and the victim is untouched."""
+    import os
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    path = tmp_path / "c.kvf"
+    os.symlink(victim, f"{path}.tmp{os.getpid()}")
+    s = host.create_session(sampling=SamplingParams(max_tokens=2))
+    try:
+        list(s.complete([5, 6, 7]))
+        snapshot.save(s, path)
+    finally:
+        host.close_session(s.id)
+    assert victim.read_bytes() == b"precious" and path.read_bytes()[:4] != b"prec"

@@ -305,3 +305,22 @@ def test_bench_zero_copy_runs():
     assert out["errors"] == 0 and out["region_same_bytes"] is True
     for k in ("rss_delta_mb_zero_copy", "rss_delta_mb_copy", "gemm_ms_zero_copy", "gemm_ms_copy"):
         assert isinstance(out[k], float)
+
+
+def test_compiled_modules_are_bounded_and_only_valid_ones_kept():
+    """The engine's module cache is an LRU of valid modules: a flood of distinct
+    uploads cannot grow it, and a module that fails the ABI check is not cached."""
+    from kvferry.abi import engine as make_engine
+    from kvferry.errors import GuestError
+
+    eng = make_engine()
+    eng.max_modules = 2
+    base = '(module (memory (export "memory") 1) (func (export "kvferry_abi_version") (result i32) i32.const {}))'
+    for v in range(5):
+        eng.compile(base.format(v).encode())
+    assert len(eng._modules) == 2
+    with pytest.raises(GuestError, match="missing export"):
+        eng.compile(b'(module (memory (export "memory") 1))')
+    assert len(eng._modules) == 2
+    with pytest.raises(GuestError, match="start function"):
+        eng.compile(b'(module (memory (export "memory") 1) (func $s) (start $s))')

@@ -60,3 +60,25 @@ def test_bench_hostile_fast_runs_and_reports_every_attack(smollm_dir):
             assert key in row
         assert row["contained"] and row["sessions_lost"] == 0, (name, row)
     assert out["sessions_lost"] == 0 and r.returncode == 0
+
+
+def test_idle_sessions_expire_and_used_ones_stay(smollm_dir):
+    """serve --session-ttl: a session nobody uses is closed (whoever made it), one in
+    use is kept; the janitor sweeps every 5 s."""
+    import time
+
+    from kvferry.errors import UnknownSessionError
+
+    srv = Serve("--session-ttl", "3")
+    try:
+        c = Client(srv.address, TOKEN)
+        idle, used = c.create_session(max_tokens=2), c.create_session(max_tokens=2)
+        t0 = time.time()
+        while time.time() - t0 < 11:
+            used.info()  # any use resets its idle time
+            time.sleep(1)
+        with pytest.raises(UnknownSessionError):
+            idle.info()
+        assert used.info()["id"] == used.id
+    finally:
+        srv.stop()

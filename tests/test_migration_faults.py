@@ -366,3 +366,37 @@ def test_mode_auto_measures_the_link_and_stays_bit_exact(pair, monkeypatch):
     assert chosen[-1][1] <= {"lossless", "int8"}
     with pytest.raises(RemoteError, match="unknown migration mode 'fast'"):
         s.migrate(to=b.address, mode="fast")
+
+
+def test_a_landed_turn_nobody_reads_stops_and_resumes(pair, monkeypatch):
+    """A reply that moved mid-generation while its client stopped reading: the target
+    generates it for the host's grace period only, then holds the turn open; resume()
+    later finishes it, equal to the twin's."""
+    from dataclasses import replace
+
+    from kvferry.session import Session
+
+    a, b = pair
+    saved = b.host.policy
+    b.host.policy = replace(saved, unread_grace_s=1.0)
+    real = Session.decode
+
+    def slow(self, token):  # the tiny model would finish the reply before the grace is up
+        time.sleep(0.03)
+        return real(self, token)
+    monkeypatch.setattr(Session, "decode", slow)
+    try:
+        c, s, twin = conversation(a, max_tokens=200)
+        ref = [ch.token for ch in twin.events("tell me more") if ch.token >= 0]
+        events = s.events("tell me more")
+        got = [next(events).token for _ in range(3)]  # then the client stops reading
+        Client(a.address, TOKEN).session(s.id).migrate(to=b.address, live=True)
+        time.sleep(3.0)  # past the grace
+        n1 = b.host.sessions[s.id].turn and len(b.host.sessions[s.id].turn.tokens)
+        time.sleep(1.5)
+        n2 = b.host.sessions[s.id].turn and len(b.host.sessions[s.id].turn.tokens)
+        assert n1 and n1 == n2 and n1 < 200, (n1, n2)  # stopped, with the turn still open
+        rest = [ch.token for ch in Client(b.address, TOKEN).session(s.id).resume(3) if ch.token >= 0]
+        assert got + rest == ref
+    finally:
+        b.host.policy = saved

@@ -158,9 +158,10 @@ class Session:
         self.turn: TurnState | None = None
         self.kv_epoch = 0  # bumped whenever cached KV is rewritten (trim/reset), not just appended
         self.step_seconds = 0.0  # recent time of one decode step (paces a live migration)
-        # Model work a guest may ask for now, in tokens: the pending prompt in begin,
-        # that plus one token in a step, nothing in any other export.
-        self._budget = 0
+        # Model work a guest may ask for now: prompt tokens to prefill (what is pending
+        # of this turn's prompt, in begin or a step) and decodes (one per step); nothing
+        # in any other export. Model time is the host's, so it is rationed here.
+        self._prefill_budget = self._decode_budget = 0
         self._prompt_left = 0
         self.last_used = time.monotonic()  # idle expiry (serve --session-ttl)
         self.owner = ""  # the name of the key that created it (kvferry.keys)
@@ -213,16 +214,22 @@ class Session:
         return {"vocab_size": self.vocab_size, "context": self.context,
                 "n_tokens": len(self.history), "eos": self.eos}
 
-    def _spend(self, fn: str, n: int) -> None:
-        if n > self._budget:
-            raise GuestAbiError(f"{fn}: {n} token(s) asked, this call may run the model over "
-                                f"{self._budget} more (the pending prompt, plus one token per step)")
-        self._budget -= n
+    def _spend_prefill(self, n: int) -> None:
+        if n > self._prefill_budget:
+            raise GuestAbiError(f"kv_prefill: {n} tokens asked, {self._prefill_budget} of the prompt are "
+                                "pending (a guest prefills only the prompt it was given)")
+        self._prefill_budget -= n
+
+    def _spend_decode(self) -> None:
+        if self._decode_budget < 1:
+            raise GuestAbiError("kv_decode: one decode per step, and this one has had it "
+                                "(or this export may not run the model)")
+        self._decode_budget -= 1
 
     def prefill(self, tokens: list[int]) -> None:
         import mlx.core as mx
 
-        self._spend("kv_prefill", len(tokens))
+        self._spend_prefill(len(tokens))
         self._prompt_left = max(0, self._prompt_left - len(tokens))
         if self.options.ctx is None and len(self.history) + len(tokens) > self.context:
             raise PromptTooLongError(f"context full: {len(self.history)} + {len(tokens)} tokens "
@@ -242,7 +249,7 @@ class Session:
     def decode(self, token: int) -> None:
         import mlx.core as mx
 
-        self._spend("kv_decode", 1)
+        self._spend_decode()
         if self.options.ctx is None and len(self.history) + 1 > self.context:
             raise SessionError(f"context full ({self.context} tokens)")
         self._logits = self.lm.model(mx.array([[token]], dtype=mx.int32), cache=self.cache)[0, -1]
@@ -321,11 +328,11 @@ class Session:
             raise PromptTooLongError(f"prompt is {len(new)} tokens, the context holds {self.context}")
         ptr = self._buffer(4 * len(new))
         self.guest.write(ptr, np.asarray(new, dtype=np.int32))
-        self._prompt_left = self._budget = len(new)
+        self._prompt_left = self._prefill_budget = len(new)
         try:
             rc = self.guest.call("kvferry_chat_begin", ptr, len(new))
         finally:
-            self._budget = 0
+            self._prefill_budget = 0
         if rc < 0:
             raise SessionError(f"guest '{self.guest.name}' refused a turn of {len(new)} tokens")
         self.turn = TurnState(n_prompt=len(new), record=record, tokens=[], texts=[],
@@ -369,11 +376,11 @@ class Session:
                 finish = "length"
                 break
             t_step = time.perf_counter()
-            self._budget = self._prompt_left + 1
+            self._prefill_budget, self._decode_budget = self._prompt_left, 1
             try:  # guest code runs outside the compute lock; its model calls take it
                 tok = self.guest.call("kvferry_chat_step")
             finally:
-                self._budget = 0
+                self._prefill_budget = self._decode_budget = 0
             self.last_used = time.monotonic()
             if n_new:  # the first step of a turn includes its prefill
                 dt = time.perf_counter() - t_step

@@ -365,6 +365,30 @@ def test_tls_and_mutual_tls(tiny_model, tmp_path):
         host.close()
 
 
+def test_a_tls_host_sends_sessions_only_over_tls(tiny_model, tmp_path):
+    """A host that serves TLS refuses to migrate out in plaintext (its sessions would
+    cross the network in the clear): it needs --peer-tls-ca."""
+    from kvferry.host import ModelHost
+    from kvferry.server import HostServer
+    from kvferry.transport import TLSConfig
+
+    c = _certs(tmp_path)
+    host = ModelHost(str(tiny_model), progress=False)
+    a = HostServer(host, "127.0.0.1:0", token=TOKEN, tls=TLSConfig(c["scert"], c["skey"])).start()
+    b = HostServer(host, "127.0.0.1:0", token=TOKEN, tls=TLSConfig(c["scert"], c["skey"])).start()
+    a.peers = (b.address,)
+    try:
+        cl = Client(a.address, TOKEN, tls=TLSConfig(ca=c["ca"]))
+        s = cl.create_session(max_tokens=2)
+        with pytest.raises(RemoteError, match="only over TLS"):
+            s.migrate(to=b.address)
+        assert s.info()["id"] == s.id
+    finally:
+        a.stop()
+        b.stop()
+        host.close()
+
+
 def test_message_size_limit(tiny_model):
     from kvferry.host import ModelHost
     from kvferry.server import HostServer

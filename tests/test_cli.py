@@ -115,3 +115,18 @@ def test_bench_migrate_runs(smollm_dir):
         assert row["identical"] and row["mid_reply"] and len(row["downtime_ms_reps"]) == 2
         assert row["downtime_ms"] in row["downtime_ms_reps"] and row["bytes"] > 0
     assert out["targets"]["identical_everywhere"]
+
+
+def test_bench_serve_runs_and_reports_every_key(smollm_dir):
+    """The CI variant of `kvferry bench serve`: small, keys only (never a timing)."""
+    r = kvferry("bench", "serve", "--json", "--sessions", "1", "2", "--tokens", "4", "--long-prompt", "200",
+                timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert [p["sessions"] for p in out["points"]] == [1, 2]
+    for p in out["points"]:
+        for key in ("sessions", "aggregate_tps", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
+                    "mlx_lm_tps"):
+            assert key in p and p[key] is not None
+        assert p["tokens"] == 4 * p["sessions"]
+    assert out["long_prompt"]["prompt_tokens"] > 150 and "tpot_ms_p99_during" in out["long_prompt"]

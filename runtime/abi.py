@@ -132,7 +132,7 @@ class ModelBinding(Protocol):
     """What a session gives a chat guest (see kvferry.session)."""
 
     def info(self) -> dict: ...
-    def prefill(self, tokens: list[int]) -> None: ...
+    def prefill(self, tokens: list[int]) -> None: ...  # serialises its own model work (compute lock)
     def decode(self, token: int) -> None: ...
     def logits(self) -> Any: ...  # mx.array float32 [vocab]
     def token_text(self, token: int) -> bytes: ...
@@ -312,8 +312,7 @@ class HostFunctions:
         tokens = self.g.arena.np[p:p + 4 * n].view(np.int32).tolist()
         self._check_ids("kv_prefill", tokens, m)
         t = time.perf_counter()
-        with self.g.engine.compute:  # model time is the host's: bounded by the step's token budget
-            m.prefill(tokens)
+        m.prefill(tokens)  # model time is the host's (bounded by the step's budget); it takes the compute lock
         self.g.host_compute(time.perf_counter() - t)
         return 0
 
@@ -321,8 +320,7 @@ class HostFunctions:
         m = self._model("kv_decode")
         self._check_ids("kv_decode", [token], m)
         t = time.perf_counter()
-        with self.g.engine.compute:
-            m.decode(token)
+        m.decode(token)
         self.g.host_compute(time.perf_counter() - t)
         return 0
 

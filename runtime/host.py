@@ -66,6 +66,36 @@ def apply_placement(model, attn_cpu: float) -> dict:
     return report
 
 
+class FairLock:
+    """A first-come, first-served lock: a session prefilling a long prompt chunk by
+    chunk lets the sessions already waiting run their step between two chunks
+    (a plain Lock would hand itself straight back to the thread that released it)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._next = self._serving = 0
+
+    def acquire(self) -> bool:
+        with self._cv:
+            ticket = self._next
+            self._next += 1
+            while ticket != self._serving:
+                self._cv.wait()
+        return True
+
+    def release(self) -> None:
+        with self._cv:
+            self._serving += 1
+            self._cv.notify_all()
+
+    def __enter__(self) -> "FairLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class ModelHost:
     """Hosts sessions on one model (loaded once)."""
 
@@ -84,7 +114,7 @@ class ModelHost:
         self.lock = threading.RLock()
         # MLX work is serialised (host functions take it for each model call; guest code
         # itself runs outside it, so a slow guest slows only its own session)
-        self.compute = threading.Lock()
+        self.compute = FairLock()
         self.engine.compute = self.compute
         self.max_kv_bytes = max_kv_bytes or self.policy.kv_budget_bytes  # restored / migrated-in KV
         self.kv_reserved = 0  # KV bytes promised to restores in flight (under self.lock)

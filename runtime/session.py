@@ -239,11 +239,13 @@ class Session:
         model = self.lm.model
         while arr.size > 1:  # like mlx-lm: chunks over all but the last token
             n = min(step, arr.size - 1)
-            model(arr[:n][None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
+            with self.host.compute:  # one chunk at a time: waiting sessions step in between
+                model(arr[:n][None], cache=self.cache)
+                mx.eval([c.state for c in self.cache])
             arr = arr[n:]
-        self._logits = model(arr[None], cache=self.cache)[0, -1]
-        mx.async_eval(self._logits)
+        with self.host.compute:
+            self._logits = model(arr[None], cache=self.cache)[0, -1]
+            mx.async_eval(self._logits)
         self.history.extend(tokens)
 
     def decode(self, token: int) -> None:
@@ -252,8 +254,9 @@ class Session:
         self._spend_decode()
         if self.options.ctx is None and len(self.history) + 1 > self.context:
             raise SessionError(f"context full ({self.context} tokens)")
-        self._logits = self.lm.model(mx.array([[token]], dtype=mx.int32), cache=self.cache)[0, -1]
-        mx.async_eval(self._logits)
+        with self.host.compute:
+            self._logits = self.lm.model(mx.array([[token]], dtype=mx.int32), cache=self.cache)[0, -1]
+            mx.async_eval(self._logits)
         self.history.append(token)
 
     def logits(self):

@@ -17,11 +17,12 @@ import os
 import secrets
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+from .loopback import LoopbackHost
 
 GUEST = """(module
   (import "kvferry" "kv_decode" (func $decode (param i32) (result i32)))
@@ -391,21 +392,13 @@ def run(attacks: tuple[str, ...] = tuple(ATTACKS), progress=print) -> dict:
     admin = secrets.token_urlsafe(24)
     with tempfile.TemporaryDirectory() as d:
         keys = keys_file(os.path.join(d, "keys"))
-        port = _free_port()
         limits = {"max_sessions": 16, "max_tokens": 256, "max_deadline_ms": 1000.0}
-        argv = [sys.executable, "-m", "kvferry", "serve", "--port", str(port), "--tokens", os.path.join(d, "keys"),
-                "--max-sessions", str(limits["max_sessions"]), "--max-tokens", str(limits["max_tokens"]),
-                "--max-deadline-ms", str(limits["max_deadline_ms"])]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "KVFERRY_TOKEN": admin}, start_new_session=True)
+        host = LoopbackHost(admin, "--tokens", os.path.join(d, "keys"), "--max-sessions", str(limits["max_sessions"]),
+                            "--max-tokens", str(limits["max_tokens"]), "--max-deadline-ms",
+                            str(limits["max_deadline_ms"]))
+        port = host.port
         try:
-            for line in proc.stdout:
-                if "kvferry serving on" in line:
-                    break
-            else:
-                raise RuntimeError("kvferry serve did not start")
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-            t = Target(f"127.0.0.1:{port}", admin, keys["alice"], keys["bob"], **limits)
+            t = Target(host.address, admin, keys["alice"], keys["bob"], **limits)
             zero_bomb(1 << 30)  # the attacker's preparation, before anything is timed
             by = Bystander(t)
             time.sleep(3)
@@ -457,16 +450,4 @@ def run(attacks: tuple[str, ...] = tuple(ATTACKS), progress=print) -> dict:
                     "polite_user_tpot_ratio": reference,
                     "sessions_lost": rows_lost, "bystander_errors": by.errors[:3], "limits": limits}
         finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            host.stop()

@@ -26,54 +26,21 @@ from __future__ import annotations
 import gc
 import os
 import secrets
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+from .loopback import LoopbackHost, free_port
+
 FILLER = ("The lighthouse keeper wrote in his log every night: the weather, the ships, the birds, "
           "and the small repairs the tower needed. ")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Host:
-    def __init__(self, token: str, threads: int | None = None, cpus: str | None = None, port: int = 0,
-                 peer_port: int = 0):
-        self.port = port or _free_port()
-        extra = (["--threads", str(threads)] if threads else []) + (["--cpus", cpus] if cpus else []) + \
-            (["--peers", f"127.0.0.1:{peer_port}"] if peer_port else [])
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--port", str(self.port), *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "KVFERRY_TOKEN": token}, start_new_session=True)
-        self.address = f"127.0.0.1:{self.port}"
-        for line in self.proc.stdout:
-            if "kvferry serving on" in line:
-                break
-        else:
-            raise RuntimeError("kvferry serve did not start")
-        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _host(token: str, threads: int | None, cpus: str | None, port: int, peer_port: int) -> LoopbackHost:
+    return LoopbackHost(token, *(["--threads", str(threads)] if threads else []),
+                        *(["--cpus", cpus] if cpus else []), "--peers", f"127.0.0.1:{peer_port}", port=port)
 
 
 def _prompt(tokens: int, limit: int) -> str:
@@ -111,9 +78,9 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
 
     token = secrets.token_urlsafe(16)
     cpus = split_cpus() if pin else None
-    pa, pb = _free_port(), _free_port()  # each names the other as its peer (migrations go to peers only)
-    a = _Host(token, threads, cpus and cpus[0], pa, pb)
-    b = _Host(token, threads, cpus and cpus[1], pb, pa)
+    pa, pb = free_port(), free_port()  # each names the other as its peer (migrations go to peers only)
+    a = _host(token, threads, cpus and cpus[0], pa, pb)
+    b = _host(token, threads, cpus and cpus[1], pb, pa)
     rows = []
     try:
         ca, cb = Client(a.address, token), Client(b.address, token)
@@ -153,7 +120,7 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
     return {"rows": rows, "targets": _targets(rows)}
 
 
-def _one(a: _Host, b: _Host, token: str, ck: Path, sid: str, live: bool, n_ctx: int, reprefill_ms: float,
+def _one(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, live: bool, n_ctx: int, reprefill_ms: float,
          generate: int, after: int, migrate_after: int) -> dict:
     """Generate on A, migrate to B mid-reply, read ``after`` tokens more on B
     (the session object follows the migration: ``m.host`` turns to B)."""

@@ -12,13 +12,11 @@ prompt: the decoders' TPOT p99 during it, against their p50 without it.
 
 from __future__ import annotations
 
-import os
 import secrets
-import signal
-import subprocess
-import sys
 import threading
 import time
+
+from .loopback import LoopbackHost
 
 TOPICS = ["rivers", "mountains", "ferries", "lighthouses", "bridges", "islands", "harbours", "storms"]
 
@@ -32,31 +30,6 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def _prompt(i: int) -> str:
     return f"Tell me a long story about {TOPICS[i % len(TOPICS)]} number {i}."
-
-
-class _Serve:
-    def __init__(self, model: str | None, token: str):
-        from .hostile import _free_port
-
-        self.port = _free_port()
-        argv = [sys.executable, "-m", "kvferry", "serve", "--port", str(self.port)] + \
-            (["--model", model] if model else [])
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "KVFERRY_TOKEN": token}, start_new_session=True)
-        for line in self.proc.stdout:
-            if "kvferry serving on" in line:
-                break
-        else:
-            raise RuntimeError("kvferry serve did not start")
-        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
-        self.address = f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def _turns(address: str, token: str, prompts: list[str], tokens: int) -> list[dict]:
@@ -125,7 +98,7 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
     from ..sdk import Client
 
     token = secrets.token_urlsafe(16)
-    srv = _Serve(model, token)
+    srv = LoopbackHost(token, *(["--model", model] if model else []))
     points = []
     try:
         _turns(srv.address, token, [_prompt(0)], 8)  # warm-up

@@ -1,0 +1,46 @@
+"""A ``kvferry serve`` on 127.0.0.1 (its own embedded Ray), as the benchmarks start it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopbackHost:
+    """``kvferry serve --port PORT *args`` with ``token`` as its admin key; ready once
+    it prints its address. ``stop()`` drains it (SIGTERM), then kills what is left."""
+
+    def __init__(self, token: str, *args: str, port: int = 0):
+        self.port = port or free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--port", str(self.port), *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "KVFERRY_TOKEN": token}, start_new_session=True)
+        self.address = f"127.0.0.1:{self.port}"
+        for line in self.proc.stdout:
+            if "kvferry serving on" in line:
+                break
+        else:
+            raise RuntimeError("kvferry serve did not start")
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

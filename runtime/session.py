@@ -131,8 +131,7 @@ class Session:
         self.host = host
         self.lm = host.lm
         self.id = session_id or uuid.uuid4().hex[:12]
-        if (policy := getattr(host, "policy", None)) is not None:  # the host's limits, however it came
-            sampling, options = policy.clamp(sampling, options)
+        sampling, options = host.policy.clamp(sampling, options)  # the host's limits, however it came
         self.sampling, self.options = sampling, options
         context = int(self.lm.config.get("max_position_embeddings") or 4096)
         options.validate(context)
@@ -274,10 +273,9 @@ class Session:
         if max_tokens < 0:
             raise SessionError(f"max_tokens must be positive, not {max_tokens}")
         self._check_open()
-        policy = getattr(self.host, "policy", None)
-        if policy is not None and len(text) * 4 > policy.max_message_bytes \
-                and (n := len(text.encode("utf-8", "replace"))) > policy.max_message_bytes:
-            raise PromptTooLongError(f"message is {n} bytes, this host takes at most {policy.max_message_bytes}")
+        limit = self.host.policy.max_message_bytes
+        if (n := len(text.encode("utf-8", "replace"))) > limit:
+            raise PromptTooLongError(f"message is {n} bytes, this host takes at most {limit}")
         messages = [*self.messages, {"role": role, "content": text}]
         try:
             tokens = list(self.lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True))

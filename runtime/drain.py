@@ -35,12 +35,13 @@ class Drainer:
     drain_dir: Path | None
     draining: bool
 
-    def drain_peers(self) -> list[str]:
-        """Where sessions may go: ``--peers``, else the controller's healthy hosts."""
+    def peer_hosts(self, healthy: bool = True) -> list[str]:
+        """Where sessions may go: ``--peers``, else the controller's hosts (``healthy``:
+        only those it reports healthy)."""
         if self.peers:
             return [p for p in self.peers if p != self.address]
         hosts = self.tell_directory("hosts") or []
-        return [h["address"] for h in hosts if h.get("healthy") and h["address"] != self.address]
+        return [h["address"] for h in hosts if (h.get("healthy") or not healthy) and h["address"] != self.address]
 
     def move(self, sid: str, target: str) -> None:
         """Migrate one session (live) and wait for the outcome."""
@@ -60,7 +61,7 @@ class Drainer:
             self.draining = True
         self.set_serving(False)
         deadline = time.monotonic() + timeout
-        peers = self.drain_peers()
+        peers = self.peer_hosts()
         outcomes = []
         for i, sid in enumerate(self._to_drain()):
             out = {"session": sid, "outcome": "failed", "where": "", "error": ""}

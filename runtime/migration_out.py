@@ -92,8 +92,7 @@ class MigrationSource:
         """A client may move a session only to this host's peers (``serve --peers``,
         else the cluster directory's hosts): the host dials out with its own
         credentials, so an arbitrary address would make it a probe of the network."""
-        allowed = set(self.peers) or {h["address"] for h in (self.tell_directory("hosts") or [])}
-        if target not in allowed - {self.address}:
+        if target not in self.peer_hosts(healthy=False):
             raise ForbiddenError(f"migration to {target} refused: not a peer of this host "
                                  f"(serve --peers, or a host of its cluster)")
         if self.tls is not None and self.tls.cert and self.client_tls is None:

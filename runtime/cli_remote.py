@@ -64,7 +64,9 @@ def cmd_serve(a) -> int:
         parse_file(a.tokens)  # a bad keys file is one line here, not an actor's traceback
     token = None if a.tokens and not (a.token or os.environ.get("KVFERRY_TOKEN")) else ensure_token(a.token, a.no_auth)
     policy = {k: v for k, v in {"max_sessions": a.max_sessions, "session_ttl_s": a.session_ttl,
-                                "max_deadline_ms": a.max_deadline_ms, "max_tokens": a.max_tokens}.items()
+                                "max_deadline_ms": a.max_deadline_ms, "max_tokens": a.max_tokens,
+                                "max_batch": a.max_batch, "max_queue": a.max_queue,
+                                "guest_step_ms": a.guest_step_ms, "step_tokens": a.step_tokens}.items()
               if v is not None}
     HostPolicy(**policy)  # its one-line errors, here
     if a.cpus:
@@ -218,6 +220,15 @@ def register(sub, add: Callable) -> None:
                     f"(default {HostPolicy.max_deadline_ms:g})")
     sv.add_argument("--max-tokens", type=int, help=f"the most tokens one reply may ask for (default "
                     f"{HostPolicy.max_tokens})")
+    sv.add_argument("--max-batch", type=int, metavar="N", help="replies generated at once, one decode batch "
+                    f"(default {HostPolicy.max_batch}); more wait in a first-come queue")
+    sv.add_argument("--max-queue", type=int, metavar="N", help="replies that may wait for a place (default "
+                    f"{HostPolicy.max_queue}); beyond, clients get RESOURCE_EXHAUSTED (host_full)")
+    sv.add_argument("--guest-step-ms", type=float, metavar="MS", help="a guest's own time per step (sampling), "
+                    f"at most (default {HostPolicy.guest_step_ms:g}); a step never waits longer for a guest, and "
+                    "one over it ends its session with an error")
+    sv.add_argument("--step-tokens", type=int, metavar="N", help="prompt tokens a step prefills beside its "
+                    "decodes (default: adaptive, about half a decode step's time; like vLLM's chunked prefill)")
     sv.add_argument("--no-auth", action="store_true", help="no token (loopback addresses only)")
     sv.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or an embedded Ray)")
     sv.add_argument("--threads", type=int, help="CPU threads for the model's matrix products (like llama.cpp "

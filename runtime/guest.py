@@ -221,7 +221,7 @@ class Guest:
         self.dead: str | None = None
         self.model: Any = None  # a ModelBinding, attached by sessions
         self.copy_mode = False  # True: tensor calls copy guest bytes (benchmark baseline)
-        self._call_start = 0.0
+        self._call_start = self._call_cpu = 0.0
         self._host_time = 0.0
         self._export = ""
         c = engine.creator
@@ -333,6 +333,7 @@ class Guest:
             fn = self._funcs[export] = f
         self._export = export
         self._call_start = time.perf_counter()
+        self._call_cpu = time.thread_time()
         self._host_time = 0.0
         self.store.set_epoch_deadline(self._ticks(self.limits.deadline_ms / 1000))
         try:
@@ -353,6 +354,12 @@ class Guest:
     @staticmethod
     def _ticks(seconds: float) -> int:
         return max(1, math.ceil(seconds / TICK_S) + 1)
+
+    def cpu_seconds(self) -> float:
+        """CPU time this thread spent since the last call began: the guest's own work
+        (MLX's model work runs on MLX's threads, and waiting for a step or for a
+        busy CPU costs none, so a loaded machine does not make a guest look slow)."""
+        return time.thread_time() - self._call_cpu
 
     def host_compute(self, seconds: float) -> None:
         """Host functions report model time so it does not count against the guest."""

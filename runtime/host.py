@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .abi import V1
+from .batching import Admission, StepScheduler
 from .errors import ConfigError, GuestError, HostFullError, SessionExistsError, UnknownSessionError
 from .guest import GuestEngine, GuestModule
 from .guests import GUESTS_DIR
@@ -118,6 +119,10 @@ class ModelHost:
         self.engine.compute = self.compute
         self.max_kv_bytes = max_kv_bytes or self.policy.kv_budget_bytes  # restored / migrated-in KV
         self.kv_reserved = 0  # KV bytes promised to restores in flight (under self.lock)
+        p = self.policy
+        self.admission = Admission(p.max_batch, p.max_queue, self.max_kv_bytes, self.kv_bytes)
+        self.steps = StepScheduler(self, max_batch=p.max_batch, guest_step_ms=p.guest_step_ms,
+                                   step_tokens=p.step_tokens)
 
     def preload(self) -> None:
         """Compile the default guest and import the restore path now, so the first
@@ -224,6 +229,7 @@ class ModelHost:
     def close(self) -> None:
         for sid in list(self.sessions):
             self.close_session(sid)
+        self.steps.close()
         self.engine.close()
 
     def kv_bytes(self) -> int:

@@ -37,15 +37,21 @@ class HostPolicy:
     calls_per_key: int = 16  # calls one client key may have in flight (admin and peer keys: no limit)
     stream_idle_s: float = 300.0  # a follower stream with nothing to send ends after this
     kv_budget_bytes: int = 0  # KV the host may hold (restores, landings); 0: half the machine's memory
+    max_batch: int = 32  # replies generated at once (one decode batch); more wait in a FIFO queue
+    max_queue: int = 256  # replies waiting for a place; beyond, RESOURCE_EXHAUSTED
+    guest_step_ms: float = 20.0  # a guest's own time in one step, at most; a step waits no longer for it
+    step_tokens: int = 0  # prompt tokens a step adds beside its decodes (0: adaptive, ~half a decode step)
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_guest_bytes", "max_tokens", "max_message_bytes", "max_modules",
-                     "max_concurrent_rpcs", "calls_per_key"):
+                     "max_concurrent_rpcs", "calls_per_key", "max_batch", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
-        for name in ("session_ttl_s", "unread_grace_s", "stream_idle_s", "kv_budget_bytes"):
+        for name in ("session_ttl_s", "unread_grace_s", "stream_idle_s", "kv_budget_bytes", "step_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}")
+        if not self.guest_step_ms > 0:
+            raise ConfigError(f"--guest-step-ms must be > 0, not {self.guest_step_ms}")
         if not self.max_deadline_ms > 0:
             raise ConfigError(f"--max-deadline-ms must be > 0, not {self.max_deadline_ms}")
         if not self.kv_budget_bytes:

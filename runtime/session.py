@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .errors import ConfigError, GuestAbiError, PromptTooLongError, SessionError
+from .errors import ConfigError, GuestAbiError, GuestError, PromptTooLongError, SessionError
 from .guest import GuestLimits, GuestModule, MemoryImage
 from .params import SamplingParams, SessionOptions
 
@@ -226,37 +226,19 @@ class Session:
         self._decode_budget -= 1
 
     def prefill(self, tokens: list[int]) -> None:
-        import mlx.core as mx
-
         self._spend_prefill(len(tokens))
         self._prompt_left = max(0, self._prompt_left - len(tokens))
         if self.options.ctx is None and len(self.history) + len(tokens) > self.context:
             raise PromptTooLongError(f"context full: {len(self.history)} + {len(tokens)} tokens "
                                      f"exceed the context of {self.context}")
-        arr = mx.array(tokens, dtype=mx.int32)
-        step = self.options.prefill_step
-        model = self.lm.model
-        while arr.size > 1:  # like mlx-lm: chunks over all but the last token
-            n = min(step, arr.size - 1)
-            with self.host.compute:  # one chunk at a time: waiting sessions step in between
-                model(arr[:n][None], cache=self.cache)
-                mx.eval([c.state for c in self.cache])
-            arr = arr[n:]
-        with self.host.compute:
-            self._logits = model(arr[None], cache=self.cache)[0, -1]
-            mx.async_eval(self._logits)
-        self.history.extend(tokens)
+        if tokens:  # the host's step scheduler prefills them in chunks beside the running decode batch
+            self._logits = self.host.steps.run(self, tokens)
 
     def decode(self, token: int) -> None:
-        import mlx.core as mx
-
         self._spend_decode()
         if self.options.ctx is None and len(self.history) + 1 > self.context:
             raise SessionError(f"context full ({self.context} tokens)")
-        with self.host.compute:
-            self._logits = self.lm.model(mx.array([[token]], dtype=mx.int32), cache=self.cache)[0, -1]
-            mx.async_eval(self._logits)
-        self.history.append(token)
+        self._logits = self.host.steps.run(self, [token])  # one row of the host's next decode batch
 
     def logits(self):
         if self._logits is None:
@@ -362,6 +344,18 @@ class Session:
         if replay_from is not None:
             for i in range(max(0, replay_from), len(turn.tokens)):
                 yield TokenEvent(turn.tokens[i], turn.texts[i], i)
+        admission = self.host.admission
+        left = min(turn.max_tokens or self.sampling.max_tokens, self.sampling.max_tokens) - len(turn.tokens)
+        grow = (self._prompt_left + max(0, left)) * self.kv_token_bytes()
+        admission.enter(self, grow)  # a place in the batch (FIFO queue beyond serve --max-batch / --max-kv-mb)
+        try:
+            yield from self._generate(turn, replay_from)
+        finally:  # ended, failed, paused for a migration or dropped by its client: the place is free
+            self.host.steps.leave(self)
+            admission.leave(self)
+
+    def _generate(self, turn: TurnState, replay_from: int | None) -> Iterator[TokenEvent]:
+        budget = self.host.policy.guest_step_ms / 1000
         stats = TurnStats(prompt_tokens=turn.n_prompt)
         t0 = time.perf_counter()
         t_first = None
@@ -383,6 +377,11 @@ class Session:
             finally:
                 self._prefill_budget = self._decode_budget = 0
             self.last_used = time.monotonic()
+            if (spent := self.guest.cpu_seconds()) > budget:  # its own CPU time: model work excluded
+                self.guest.dead = f"spent {spent * 1000:.1f} ms of CPU in a step"
+                raise GuestError(f"guest '{self.guest.name}' spent {spent * 1000:.1f} ms of CPU in one step, "
+                                 f"over this host's budget of {budget * 1000:g} ms (serve --guest-step-ms); "
+                                 "its session leaves the batch")
             if n_new:  # the first step of a turn includes its prefill
                 dt = time.perf_counter() - t_step
                 self.step_seconds = 0.8 * self.step_seconds + 0.2 * dt if self.step_seconds else dt
@@ -454,10 +453,19 @@ class Session:
         return {"kv_bytes": int(kv), "arena_bytes": int(self.guest.arena.cap) if not self.closed else 0,
                 "tokens": len(self.history)}
 
+    def kv_token_bytes(self) -> int:
+        """KV bytes one more token adds (keys and values, every layer)."""
+        cfg = self.lm.config
+        heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        item = 1 if self.options.kv_bits else 2 if self.lm.dtype in ("float16", "bfloat16") else 4
+        return 2 * len(self.lm.model.layers) * heads * head_dim * item
+
     def describe(self) -> dict:
         return {"id": self.id, "guest": self.guest.module.label, "guest_sha256": self.guest.module.sha256,
                 "cache": type(self.cache[0]).__name__, "context": self.context,
-                "sampling": asdict(self.sampling), "options": asdict(self.options), **self.memory()}
+                "sampling": asdict(self.sampling), "options": asdict(self.options), **self.memory(),
+                "queue_position": self.host.admission.position(self)}
 
     def close(self) -> None:
         if not self.closed:

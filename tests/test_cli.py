@@ -130,3 +130,6 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
             assert key in p and p[key] is not None
         assert p["tokens"] == 4 * p["sessions"]
     assert out["long_prompt"]["prompt_tokens"] > 150 and "tpot_ms_p99_during" in out["long_prompt"]
+    c = out["consistency"]
+    assert c["prompts"] == 2 and 0 <= c["greedy_equal_solo"] <= 1 and 0 <= c["teacher_forced_top1"] <= 1
+    assert out["batching"] is True and out["device"] in ("cpu", "gpu")

@@ -148,6 +148,9 @@ def cmd_bench_serve(a) -> int:
         lp = r["long_prompt"]
         print(f"TPOT p99 while a {lp['prompt_tokens']}-token prompt is prefilled: {lp['tpot_ms_p99_during']} ms "
               f"({lp['ratio_p99_during_over_p50_without']}x the p50 without it)")
+        c = r["consistency"]
+        print(f"batched vs solo, {c['prompts']} prompts x {c['tokens']} tokens: greedy replies equal "
+              f"{c['greedy_equal_solo']:.0%}, teacher-forced top-1 {c['teacher_forced_top1']:.4f}")
     return 0
 
 

@@ -134,13 +134,24 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
     lm = load(model, progress=False)
     for p in points:
         p["mlx_lm_tps"] = mlx_lm_tps(lm, [_prompt(i) for i in range(p["sessions"])], tokens)
+    from ..batching import consistency
+
+    n = max(p["sessions"] for p in points)
+    ids = [list(lm.tokenizer.apply_chat_template([{"role": "user", "content": _prompt(i)}],
+                                                 add_generation_prompt=True)) for i in range(n)]
+    agree = consistency(lm.model, ids, min(tokens, 32))
     one = points[0]["aggregate_tps"] if points and points[0]["sessions"] == 1 else None
     for p in points:
         p["speedup_over_one"] = round(p["aggregate_tps"] / one, 2) if one else None
         p["ratio_to_mlx_lm"] = round(p["aggregate_tps"] / p["mlx_lm_tps"], 3) if p["mlx_lm_tps"] else None
     return {"model": lm.name, "tokens_per_turn": tokens, "points": points, "long_prompt": long,
-            "batching": False,
-            "note": "kvferry hosts run one session step at a time (issue 17 adds continuous batching)"}
+            "consistency": agree, "batching": True, "device": _device()}
+
+
+def _device() -> str:
+    import mlx.core as mx
+
+    return "gpu" if mx.default_device() == mx.gpu else "cpu"
 
 
 def plot(r: dict, path: str) -> None:

@@ -468,6 +468,8 @@ class Session:
                 "queue_position": self.host.admission.position(self)}
 
     def close(self) -> None:
+        self.host.steps.leave(self)  # a closed session holds no place in the batch, even with
+        self.host.admission.leave(self)  # its turn's generator still suspended somewhere
         if not self.closed:
             self.guest.model = None
             self.guest.close()

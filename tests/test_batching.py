@@ -179,3 +179,27 @@ def test_a_failing_guest_leaves_the_batch_and_the_others_go_on(host, solo, tmp_p
     assert not errors and out == {p: solo[p] for p in PROMPTS[:3]}
     assert bad not in host.admission.running
     host.close_session(bad.id)
+
+
+def test_a_checkpoint_taken_mid_batch_continues_identically(host, solo):
+    from kvferry.checkpoint import restore, snapshot
+
+    x_prompt = PROMPTS[3]
+    x = host.create_session(sampling=greedy(16))
+    it = x.send(x_prompt)
+    head = [next(it).token for _ in range(5)]  # x is mid-reply, between two steps
+    others = {}
+    th = threading.Thread(target=lambda: others.update(together(host, PROMPTS[:2])[0]))
+    th.start()  # two more sessions decode while x is checkpointed and restored
+    deadline = time.time() + 120
+    while not host.admission.running.keys() - {x} and time.time() < deadline:
+        time.sleep(0.01)
+    data = b"".join(snapshot.snapshot(x))
+    host.close_session(x.id)
+    assert x not in host.admission.running  # closing frees its place though its generator lives on
+    y = restore.restore(host, [data])
+    rest = [e.token for e in y.continue_turn(from_index=5) if e.token >= 0]
+    th.join(300)
+    assert head + rest == solo[x_prompt]
+    assert others == {p: solo[p] for p in PROMPTS[:2]}
+    host.close_session(y.id)

@@ -164,6 +164,44 @@ def test_mid_reply_migration_loses_and_repeats_nothing(two_hosts, live):
     twin.close()
 
 
+def test_live_migration_out_of_and_into_running_batches(two_hosts):
+    """A session leaves host A's running batch mid-reply and joins host B's, where
+    another session is generating: its reply, and both bystanders', are the tokens
+    each would have had alone."""
+    a, b = two_hosts
+    prompts = {"mover": "Tell me a long story about a cat.", "on_a": "Describe a river in spring.",
+               "on_b": "Describe a mountain at night."}
+    n = {"mover": 40, "on_a": 40, "on_b": 64}
+    ref = {}
+    for k, p in prompts.items():  # alone: nothing else on the host
+        t = Client(a.address, TOKEN).create_session(max_tokens=n[k], ignore_eos=True)
+        ref[k] = [x.token for x in t.events(p) if x.token >= 0]
+        t.close()
+    where = {"mover": a, "on_a": a, "on_b": b}
+    sessions = {k: Client(where[k].address, TOKEN).create_session(max_tokens=n[k], ignore_eos=True)
+                for k in prompts}
+    got = {k: [] for k in prompts}
+
+    def run(k):
+        for x in sessions[k].events(prompts[k]):
+            if x.token >= 0:
+                got[k].append(x.token)
+    ts = [threading.Thread(target=run, args=(k,)) for k in prompts]
+    for t in ts:
+        t.start()
+    deadline = time.time() + 120
+    while (len(got["mover"]) < 4 or len(got["on_b"]) < 2) and time.time() < deadline:
+        time.sleep(0.02)
+    m = Client(a.address, TOKEN).session(sessions["mover"].id).migrate(to=b.address, live=True)
+    on_b_at_move = len(got["on_b"])
+    for t in ts:
+        t.join(180)
+    assert m.tokens > 0 and on_b_at_move < 64  # it joined B's batch while on_b was mid-reply
+    assert got == ref and sessions["mover"].host == b.address
+    for s in sessions.values():
+        s.close()
+
+
 def test_wrong_token_and_unknown_session(two_hosts):
     a, _ = two_hosts
     with pytest.raises(AuthError, match="auth failed"):

@@ -84,22 +84,25 @@ def cmd_serve(a) -> int:
         if not is_loopback(a.bind):
             raise KvferryError(f"--no-auth is only allowed on a loopback address, not {a.bind}")
 
-    def ready(addr: str) -> None:
+    def ready(addr: str, http: str | None = None) -> None:
         print(f"kvferry serving on {addr} (model {a.model or 'SmolLM2-135M-Instruct'}, "
               f"auth {'off' if token is None and not a.tokens else 'keys' if a.tokens else 'token'}, "
-              f"TLS {'mutual' if a.tls_ca and a.tls_cert else 'on' if a.tls_cert else 'off'})", flush=True)
+              f"TLS {'mutual' if a.tls_ca and a.tls_cert else 'on' if a.tls_cert else 'off'}"
+              f"{f', OpenAI API on http://{http}/v1' if http else ''})", flush=True)
 
     def report(o: dict) -> None:
         print(f"kvferry: session {o['session']}: {o['outcome']} {o['where']} {o['error']}".rstrip(),
               file=sys.stderr, flush=True)
 
+    if a.http_port is not None and not 0 <= a.http_port <= 65535:
+        raise KvferryError(f"--http-port {a.http_port}: must be a port number (0..65535; 0: any free port)")
     if a.drain_timeout <= 0:
         raise KvferryError(f"--drain-timeout must be positive, not {a.drain_timeout}")
     serve(a.model, bind, token, address=a.address, allow_no_auth=a.no_auth, tls=_tls(a),
           client_tls=_tls(a, "peer_tls"), ready=ready, report=report,
           max_kv_bytes=int(a.max_kv_mb * 1e6) if a.max_kv_mb else None, advertise=a.advertise,
           peers=peers, drain_dir=a.drain_dir or "", drain_timeout=a.drain_timeout, tokens_file=a.tokens,
-          policy=policy)
+          policy=policy, http_port=a.http_port, metrics_public=a.metrics_public, log_format=a.log_format)
     return 0
 
 
@@ -220,6 +223,13 @@ def register(sub, add: Callable) -> None:
                     f"(default {HostPolicy.max_deadline_ms:g})")
     sv.add_argument("--max-tokens", type=int, help=f"the most tokens one reply may ask for (default "
                     f"{HostPolicy.max_tokens})")
+    sv.add_argument("--http-port", type=int, metavar="N", help="also serve the OpenAI API (/v1/chat/completions, "
+                    "/v1/completions, /v1/models), /health and /metrics over HTTP on port N of the same address, "
+                    "with the same keys (0: any free port); see docs/http.md")
+    sv.add_argument("--metrics-public", action="store_true", help="/metrics without a key (for a scraper "
+                    "inside a trusted network)")
+    sv.add_argument("--log-format", choices=("text", "json"), default="text",
+                    help="log lines on stderr as text or one JSON object per line")
     sv.add_argument("--max-batch", type=int, metavar="N", help="replies generated at once, one decode batch "
                     f"(default {HostPolicy.max_batch}); more wait in a first-come queue")
     sv.add_argument("--max-queue", type=int, metavar="N", help="replies that may wait for a place (default "

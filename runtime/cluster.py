@@ -15,9 +15,11 @@ an existing cluster (``--address`` / ``$RAY_ADDRESS``).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,6 +28,8 @@ from typing import Any, Iterator
 import ray
 
 from . import blas
+
+log = logging.getLogger("kvferry.host")
 from .errors import ConfigError
 from .paths import ensure_token  # noqa: F401  (re-exported: `kvferry serve` and jobs use it)
 
@@ -91,10 +95,15 @@ def controller() -> Any:
 class SessionHost:
     def __init__(self, model: str | None, bind: str, keys_file: str | None, dtype: str = "auto",
                  max_kv_bytes: int | None = None, tls: dict | None = None, client_tls: dict | None = None,
-                 policy: dict | None = None, **server: Any) -> None:
+                 policy: dict | None = None, http_port: int | None = None, metrics_public: bool = False,
+                 log_format: str = "text", **server: Any) -> None:
         """``keys_file``: see kvferry.keys.hand_over (None: no auth); ``policy``: a
-        HostPolicy's fields; ``server``: HostServer's options (allow_no_auth,
+        HostPolicy's fields; ``http_port``: serve the OpenAI API there too
+        (kvferry.http_front); ``server``: HostServer's options (allow_no_auth,
         advertise, peers, drain_dir, drain_timeout)."""
+        from .logs import setup
+
+        setup(log_format)
         from .host import ModelHost, warmup
         from .keys import take_over
         from .policy import HostPolicy
@@ -111,7 +120,15 @@ class SessionHost:
         self.srv = HostServer(self.host, bind, keys=keys, tls=TLSConfig(**tls) if tls else None,
                               client_tls=TLSConfig(**client_tls) if client_tls else None,
                               directory=self.ctl, node=node, **server).start()
+        self.http = None
+        if http_port is not None:
+            from .http_front import HttpFront
+
+            self.http = HttpFront(self.srv, bind.rpartition(":")[0], http_port,
+                                  metrics_public=metrics_public).start()
         ray.get(self.ctl.register_host.remote(self.srv.address, self.host.lm.name, node))
+        log.info("host up on %s (model %s%s)", self.srv.address, self.host.lm.name,
+                 f", HTTP on {self.http.address}" if self.http else "")
         self._stop = threading.Event()
         threading.Thread(target=self._beat, daemon=True).start()
 
@@ -124,6 +141,15 @@ class SessionHost:
 
     def address(self) -> str:
         return self.srv.address
+
+    def http_address(self) -> str | None:
+        return self.http.address if self.http else None
+
+    def logs(self, after: int = 0) -> tuple[int, list[str]]:
+        """Log lines after number ``after`` (``kvferry serve`` prints them)."""
+        from .logs import RING
+
+        return RING.after(after) if RING is not None else (after, [])
 
     def info(self) -> dict:
         return {"address": self.srv.address, "model": self.host.lm.name, "pid": os.getpid(),
@@ -145,7 +171,10 @@ class SessionHost:
             ray.get(self.ctl.unregister_host.remote(self.srv.address), timeout=5)
         except Exception:
             pass
+        if self.http is not None:
+            self.http.stop()
         self.srv.stop(0.5)
+        log.info("host down on %s", self.srv.address)
 
 
 @ray.remote(num_cpus=1)
@@ -249,9 +278,20 @@ def serve(model: str | None, bind: str, token: str | None, *, address: str | Non
     for o in ray.get(actor.restored.remote()):
         report and report(o)
     if ready:
-        ready(addr)
+        ready(addr, ray.get(actor.http_address.remote()))
+    seen = 0
+
+    def relay_logs() -> None:  # the host actor's log lines, on this process's stderr
+        nonlocal seen
+        try:
+            seen, lines = ray.get(actor.logs.remote(seen), timeout=10)
+        except Exception:
+            return
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
     try:
         while not stop.wait(1.0):
+            relay_logs()
             if ray.get(actor.finished.remote()):  # drained by `kvferry drain`
                 break
         else:
@@ -261,6 +301,7 @@ def serve(model: str | None, bind: str, token: str | None, *, address: str | Non
                     report and report(o)
             except Exception as e:  # the host goes down regardless; say why the drain did not finish
                 report and report({"session": "*", "outcome": "failed", "where": "", "error": str(e)})
+            relay_logs()
     finally:
         try:
             ray.get(actor.stop.remote(), timeout=10)

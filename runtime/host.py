@@ -15,6 +15,7 @@ from .batching import Admission, StepScheduler
 from .errors import ConfigError, GuestError, HostFullError, SessionExistsError, UnknownSessionError
 from .guest import GuestEngine, GuestModule
 from .guests import GUESTS_DIR
+from .metrics import HostMetrics
 from .models import LoadedModel, load
 from .params import SamplingParams, SessionOptions
 from .policy import HostPolicy
@@ -119,6 +120,7 @@ class ModelHost:
         self.engine.compute = self.compute
         self.max_kv_bytes = max_kv_bytes or self.policy.kv_budget_bytes  # restored / migrated-in KV
         self.kv_reserved = 0  # KV bytes promised to restores in flight (under self.lock)
+        self.metrics = HostMetrics(self)
         p = self.policy
         self.admission = Admission(p.max_batch, p.max_queue, self.max_kv_bytes, self.kv_bytes)
         self.steps = StepScheduler(self, max_batch=p.max_batch, guest_step_ms=p.guest_step_ms,

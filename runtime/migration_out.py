@@ -6,6 +6,7 @@ frame after a reconnect (same migration id)."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -23,6 +24,8 @@ from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
 from .slots import Slot
 from .transport import ERROR_KEY, auth_metadata, channel, translate
+
+log = logging.getLogger("kvferry.migration")
 
 WINDOW_FRAMES = 256  # unacknowledged checkpoint frames in flight ...
 WINDOW_BYTES = 32 << 20  # ... and bytes: big KV frames are paced, small final ones are not
@@ -112,6 +115,8 @@ class MigrationSource:
                 tokens=len(s.history)))
 
         link = pause = None
+        m = self.host.metrics
+        m.migrations.labels("started").inc()
         try:
             link = _Link(self, t, s, sid, on_ack=progress)
             link.send([sn.header()])
@@ -142,16 +147,24 @@ class MigrationSource:
                 raise MigrationError(f"migration to {t.target}: the commit's answer was lost; the session "
                                      "stays paused here until the target says whether it committed") from None
             t.pause_ms = (time.perf_counter() - t_pause) * 1000
+            m.migrations.labels("committed").inc()
+            m.pause.observe(t.pause_ms / 1000)
+            log.info("session %s moved to %s (pause %.1f ms)", sid, t.target, t.pause_ms)
             self._handed_over(sid, slot, pause, t, s)
             pause = None
             link.wait_running(RUNNING_WAIT)  # off the critical path: after the target's first token
             s.close()
             self.tell_directory("move", sid, self.address, t.target)
         except grpc.RpcError as e:
+            m.migrations.labels("failed").inc()
             if link is not None:
                 link.abort()
-            raise target_refused(e, t.target) from None
-        except BaseException:
+            err = target_refused(e, t.target)
+            log.warning("session %s: migration to %s failed: %s", sid, t.target, err)
+            raise err from None
+        except BaseException as e:
+            m.migrations.labels("failed").inc()
+            log.warning("session %s: migration to %s failed: %s", sid, t.target, e)
             if link is not None:
                 link.abort()
             raise

@@ -225,6 +225,7 @@ class _Sessions(pbg.SessionsServicer):
             raise GuestError("client.wasm: not a chat guest")
         s = h.create_session(guest, sampling, options, r.session_id or None, owner=self.srv.caller(context).name)
         self.srv.arrived(s.id)
+        log.info("session %s created (key %s, guest %s)", s.id, s.owner or "-", s.guest.module.label)
         if r.system:
             s.messages.append({"role": "system", "content": r.system})
         self.srv.tell_directory("register_session", s.id, self.srv.address)

@@ -14,6 +14,7 @@ guest's memory: that is where checkpoints and migrations cut.
 from __future__ import annotations
 
 import itertools
+import logging
 import struct
 import time
 import uuid
@@ -28,6 +29,7 @@ from .guest import GuestLimits, GuestModule, MemoryImage
 from .params import SamplingParams, SessionOptions
 
 STOP_CODES = {-1: "stop", -2: "stop", -3: "length"}
+log = logging.getLogger("kvferry.session")
 
 
 @dataclass
@@ -318,6 +320,7 @@ class Session:
             self._prefill_budget = 0
         if rc < 0:
             raise SessionError(f"guest '{self.guest.name}' refused a turn of {len(new)} tokens")
+        self.host.metrics.prompt_tokens.inc(len(new))
         self.turn = TurnState(n_prompt=len(new), record=record, tokens=[], texts=[],
                               stream=_TextStream(self.lm.tokenizer, self.sampling.stop), max_tokens=max_tokens)
         return self._steps()
@@ -356,6 +359,8 @@ class Session:
 
     def _generate(self, turn: TurnState, replay_from: int | None) -> Iterator[TokenEvent]:
         budget = self.host.policy.guest_step_ms / 1000
+        metrics = self.host.metrics
+        t_last = 0.0
         stats = TurnStats(prompt_tokens=turn.n_prompt)
         t0 = time.perf_counter()
         t_first = None
@@ -374,10 +379,16 @@ class Session:
             self._prefill_budget, self._decode_budget = self._prompt_left, 1
             try:  # guest code runs outside the compute lock; its model calls take it
                 tok = self.guest.call("kvferry_chat_step")
+            except GuestError as e:
+                metrics.guest_traps.inc()
+                log.warning("session %s: %s", self.id, e)
+                raise
             finally:
                 self._prefill_budget = self._decode_budget = 0
             self.last_used = time.monotonic()
             if (spent := self.guest.cpu_seconds()) > budget:  # its own CPU time: model work excluded
+                metrics.guest_traps.inc()
+                log.warning("session %s: guest over its step budget (%.1f ms of CPU)", self.id, spent * 1000)
                 self.guest.dead = f"spent {spent * 1000:.1f} ms of CPU in a step"
                 raise GuestError(f"guest '{self.guest.name}' spent {spent * 1000:.1f} ms of CPU in one step, "
                                  f"over this host's budget of {budget * 1000:g} ms (serve --guest-step-ms); "
@@ -396,6 +407,12 @@ class Session:
                 raise SessionError(f"guest '{self.guest.name}' emitted token id {tok}, outside "
                                    f"the vocabulary (0..{self.vocab_size - 1})")
             now = time.perf_counter()
+            metrics.generated_tokens.inc()
+            if t_first is not None:
+                metrics.tpot.observe(now - t_last)
+            elif replay_from is None:
+                metrics.ttft.observe(now - t0)
+            t_last = now
             if t_first is None:
                 t_first = now
                 stats.prompt_tps = turn.n_prompt / max(now - t0, 1e-9) if replay_from is None else 0.0
@@ -407,6 +424,7 @@ class Session:
         t_end = time.perf_counter()
         tail = turn.stream.finish(stopped_by_string)
         stats.finish_reason = finish
+        metrics.turns.labels(finish or "stop").inc()
         stats.tokens = list(turn.tokens)
         stats.generation_tokens = len(turn.tokens)
         if t_first is not None and n_new > 1:

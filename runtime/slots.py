@@ -130,6 +130,7 @@ class TurnDriver:
                 if now - s.last_used < ttl or self.host.sessions.get(sid) is not s:
                     continue
                 self.host.close_session(sid)
+                self.host.metrics.expired.inc()
                 with self.registry_lock:
                     self.slots.pop(sid, None)
                     self.feeds.pop(sid, None)

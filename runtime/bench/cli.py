@@ -134,7 +134,10 @@ def cmd_bench_serve(a) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise KvferryError("--plot needs matplotlib: pip install 'kvferry[bench]'") from None
-    r = run(a.model, tuple(a.sessions), a.tokens, a.long_prompt, progress=(lambda m: print(m, file=sys.stderr)))
+    if a.ttft_samples < 1:
+        raise KvferryError("--ttft-samples must be at least 1")
+    r = run(a.model, tuple(a.sessions), a.tokens, a.long_prompt, progress=(lambda m: print(m, file=sys.stderr)),
+            http=a.http, ttft_samples=a.ttft_samples)
     if a.plot:
         plot(r, a.plot)
     if a.json:
@@ -148,6 +151,10 @@ def cmd_bench_serve(a) -> int:
         lp = r["long_prompt"]
         print(f"TPOT p99 while a {lp['prompt_tokens']}-token prompt is prefilled: {lp['tpot_ms_p99_during']} ms "
               f"({lp['ratio_p99_during_over_p50_without']}x the p50 without it)")
+        if (hv := r.get("http_vs_grpc")) is not None:
+            print(f"HTTP vs gRPC: TTFT p50 {hv['ttft_ms_http_p50']} vs {hv['ttft_ms_grpc_p50']} ms "
+                  f"({hv['ttft_http_minus_grpc_ms']:+} ms); {hv['streams']} streams {hv['tps_http']} vs "
+                  f"{hv['tps_grpc']} tok/s ({hv['tps_http_over_grpc']}x)")
         c = r["consistency"]
         print(f"batched vs solo, {c['prompts']} prompts x {c['tokens']} tokens: greedy replies equal "
               f"{c['greedy_equal_solo']:.0%}, teacher-forced top-1 {c['teacher_forced_top1']:.4f}")
@@ -231,6 +238,9 @@ def register(sub, add: Callable) -> None:
     bs.add_argument("--tokens", type=int, default=64, help="tokens per turn (default 64)")
     bs.add_argument("--long-prompt", type=int, default=2000, help="the long prompt's tokens (default 2000)")
     bs.add_argument("--plot", metavar="PNG", help="draw throughput and TPOT against sessions")
+    bs.add_argument("--http", action="store_true", help="also compare the OpenAI HTTP front with gRPC: TTFT "
+                    "(median of --ttft-samples) and tokens/s at the largest --sessions")
+    bs.add_argument("--ttft-samples", type=int, default=20, help="TTFT samples per path with --http (default 20)")
     bs.add_argument("--json", action="store_true")
     bo = add(b, "hostile", cmd_bench_hostile, "every known attack on a live host while a bystander chats "
              "(docs/security.md)")

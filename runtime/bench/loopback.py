@@ -26,8 +26,11 @@ class LoopbackHost:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "KVFERRY_TOKEN": token}, start_new_session=True)
         self.address = f"127.0.0.1:{self.port}"
+        self.http = None  # http://HOST:PORT/v1 with --http-port
         for line in self.proc.stdout:
             if "kvferry serving on" in line:
+                if "OpenAI API on " in line:
+                    self.http = line.split("OpenAI API on ")[1].split(")")[0]
                 break
         else:
             raise RuntimeError("kvferry serve did not start")

@@ -93,14 +93,21 @@ def mlx_lm_tps(lm, prompts: list[str], tokens: int) -> float:
 
 
 def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens: int = 64,
-        long_prompt: int = 2000, long_with: int = 4, progress=print) -> dict:
+        long_prompt: int = 2000, long_with: int = 4, progress=print, http: bool = False,
+        ttft_samples: int = 20) -> dict:
     from ..models import load
     from ..sdk import Client
 
     token = secrets.token_urlsafe(16)
-    srv = LoopbackHost(token, *(["--model", model] if model else []))
+    srv = LoopbackHost(token, *(["--model", model] if model else []), *(["--http-port", "0"] if http else []))
     points = []
+    http_vs_grpc = None
     try:
+        if http:
+            from .http import compare
+
+            progress(f"HTTP against gRPC: TTFT (median of {ttft_samples}) and {max(sessions)} concurrent streams")
+            http_vs_grpc = compare(srv.address, srv.http, token, ttft_samples, max(sessions), tokens)
         _turns(srv.address, token, [_prompt(0)], 8)  # warm-up
         for n in sessions:
             progress(f"kvferry serve: {n} concurrent sessions x {tokens} tokens")
@@ -145,7 +152,8 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
         p["speedup_over_one"] = round(p["aggregate_tps"] / one, 2) if one else None
         p["ratio_to_mlx_lm"] = round(p["aggregate_tps"] / p["mlx_lm_tps"], 3) if p["mlx_lm_tps"] else None
     return {"model": lm.name, "tokens_per_turn": tokens, "points": points, "long_prompt": long,
-            "consistency": agree, "batching": True, "device": _device()}
+            "consistency": agree, "batching": True, "device": _device(),
+            **({"http_vs_grpc": http_vs_grpc} if http else {})}
 
 
 def _device() -> str:

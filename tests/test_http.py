@@ -1,0 +1,181 @@
+"""The OpenAI-compatible HTTP front of `kvferry serve --http-port`, driven by the real
+`openai` package, curl and requests, on real hosts."""
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+
+import openai
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvferry import Client
+from test_distributed import TOKEN, Serve, free_port
+
+MODEL = "SmolLM2-135M-Instruct"
+PORTS = {"a": free_port(), "b": free_port()}
+
+
+def http_of(serve: Serve) -> str:
+    line = next(x for x in serve.log if "kvferry serving on" in x)
+    return line.split("OpenAI API on ")[1].split(")")[0].rstrip("/")  # http://HOST:PORT/v1
+
+
+@pytest.fixture(scope="module")
+def hosts(smollm_dir):
+    a = Serve("--http-port", "0", "--peers", f"127.0.0.1:{PORTS['b']}", port=PORTS["a"])
+    try:
+        b = Serve("--http-port", "0", "--peers", f"127.0.0.1:{PORTS['a']}", port=PORTS["b"])
+    except Exception:
+        a.stop()
+        raise
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+@pytest.fixture()
+def oai(hosts):
+    return openai.OpenAI(base_url=http_of(hosts[0]), api_key=TOKEN, max_retries=0, timeout=300)
+
+
+def ask(text):
+    return [{"role": "user", "content": text}]
+
+
+def test_models_chat_stream_and_usage(oai):
+    assert [m.id for m in oai.models.list()] == [MODEL]
+    r = oai.chat.completions.create(model=MODEL, messages=ask("What is the capital of France?"),
+                                    temperature=0, max_tokens=16)
+    text = r.choices[0].message.content
+    assert "Paris" in text and r.choices[0].finish_reason in ("stop", "length")
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL
+    assert 0 < r.usage.completion_tokens <= 16 and r.usage.prompt_tokens > 10
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=ask("What is the capital of France?"),
+                                              temperature=0, max_tokens=16, stream=True,
+                                              stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text  # greedy: the stream says exactly what the whole reply says
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    raw = oai.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5)
+    assert raw.object == "text_completion" and raw.usage.completion_tokens == 5 and raw.choices[0].text
+
+
+def test_bad_keys_and_values_get_openai_errors(hosts, oai):
+    wrong = openai.OpenAI(base_url=http_of(hosts[0]), api_key="not-a-key-at-all", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    for kw, param in [({"temperature": 5}, "temperature"), ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"),
+                      ({"logit_bias": {"5": 1}}, "logit_bias"),
+                      ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                      ({"extra_body": {"frobnicate": 1}}, "frobnicate")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=MODEL, messages=ask("hi"), **kw)
+        assert e.value.body["param"] == param and param in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        oai.chat.completions.create(model="gpt-4o", messages=ask("hi"))
+    r = requests.post(http_of(hosts[0]) + "/chat/completions", data=b"{not json",
+                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is not valid JSON"
+    assert "Traceback" not in r.text
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
+def test_sse_framing_byte_for_byte(hosts):
+    body = json.dumps({"model": MODEL, "messages": ask("Say hello."), "max_tokens": 6, "temperature": 0,
+                       "ignore_eos": True, "stream": True})
+    out = subprocess.run(["curl", "-N", "-s", "-H", f"Authorization: Bearer {TOKEN}", "-H",
+                          "Content-Type: application/json", "-d", body, http_of(hosts[0]) + "/chat/completions"],
+                         capture_output=True, timeout=120).stdout
+    events = out.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    assert all(e.startswith(b"data: {") and b"\n" not in e for e in events[:-2])
+    data = [json.loads(e[6:]) for e in events[:-2]]
+    assert all(d["object"] == "chat.completion.chunk" and d["id"] == data[0]["id"] for d in data)
+    assert data[0]["choices"][0]["delta"]["role"] == "assistant" and data[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(1 for d in data if d["choices"][0]["delta"].get("content") is not None) <= 6
+
+
+def test_a_conversation_continues_its_session_and_reuses_its_kv(oai):
+    first = oai.chat.completions.with_raw_response.create(model=MODEL, messages=ask("Name a fruit."),
+                                                          temperature=0, max_tokens=8)
+    sid = first.headers["X-Kvferry-Session"]
+    reply = first.parse().choices[0].message.content
+    msgs = ask("Name a fruit.") + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Another?"}]
+    second = oai.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, temperature=0, max_tokens=8)
+    assert second.headers["X-Kvferry-Session"] == sid  # the same session continued
+    u = second.parse().usage
+    assert u.prompt_tokens_details.cached_tokens > 10 and u.prompt_tokens > u.prompt_tokens_details.cached_tokens
+    named = oai.chat.completions.with_raw_response.create(model=MODEL, messages=ask("And a colour?"), temperature=0,
+                                                          max_tokens=4, extra_headers={"X-Kvferry-Session": sid})
+    assert named.headers["X-Kvferry-Session"] == sid
+
+
+def test_eight_concurrent_streams_complete(oai):
+    done = {}
+
+    def one(i):
+        s = oai.chat.completions.create(model=MODEL, messages=ask(f"Count to {i + 3}."), temperature=0,
+                                        max_tokens=12, extra_body={"ignore_eos": True}, stream=True)
+        done[i] = sum(1 for c in s if c.choices and c.choices[0].delta.content is not None)
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(300)
+    assert sorted(done) == list(range(8)) and all(n >= 1 for n in done.values())
+
+
+def metric(url: str, name: str) -> float:
+    text = requests.get(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).text
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name:
+                return s.value
+    raise KeyError(name)
+
+
+def test_health_and_metrics(hosts, oai):
+    base = http_of(hosts[0]).rsplit("/v1", 1)[0]
+    assert requests.get(base + "/health", timeout=10).json() == {"status": "ok"}
+    assert requests.get(base + "/metrics", timeout=10).status_code == 401
+    before = metric(base, "kvferry_generated_tokens_total")
+    oai.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=5, extra_body={"ignore_eos": True})
+    assert metric(base, "kvferry_generated_tokens_total") >= before + 5
+    assert metric(base, "kvferry_time_to_first_token_seconds_count") >= 1
+    assert metric(base, "kvferry_sessions") >= 1 and metric(base, "kvferry_kv_bytes") > 0
+
+
+def test_a_stream_survives_a_live_migration_of_its_session(hosts):
+    a, b = hosts
+    body = {"model": MODEL, "messages": ask("Tell me a long story about a ferry."), "max_tokens": 48,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    ref = requests.post(http_of(a) + "/chat/completions", json={**body, "stream": False}, headers=auth,
+                        timeout=300).json()["choices"][0]["message"]["content"]
+    with requests.post(http_of(a) + "/chat/completions", json=body, headers=auth, stream=True, timeout=300) as r:
+        sid = r.headers["X-Kvferry-Session"]
+        lines = r.iter_lines()
+        events = []
+        for line in lines:
+            if line:
+                events.append(line)
+            if len(events) >= 4:
+                break
+        m = Client(a.address, TOKEN).session(sid).migrate(to=b.address, live=True)
+        events += [x for x in lines if x]
+    assert m.tokens > 0 and events[-1] == b"data: [DONE]"
+    data = [json.loads(e[6:]) for e in events[:-1]]
+    text = "".join(d["choices"][0]["delta"].get("content") or "" for d in data if d["choices"])
+    assert text == ref and data[-1]["usage"]["completion_tokens"] == 48  # nothing lost, nothing repeated
+    assert sid in [s["id"] for s in Client(b.address, TOKEN).sessions()]
+    deadline = time.time() + 10
+    while not any("moved to" in x and sid in x for x in a.log) and time.time() < deadline:
+        time.sleep(0.2)
+    assert any("moved to" in x and sid in x for x in a.log)  # the source host's log line for the move

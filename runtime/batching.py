@@ -130,6 +130,68 @@ def _joint_attention(queries, cache: RowCaches, scale: float):
     return out.reshape(b, heads, 1, d)
 
 
+PACKABLE = ("llama", "qwen2", "qwen3", "mistral")  # mlx-lm attention modules of one shape (below)
+
+
+class PackedCaches:
+    """One layer's caches of a packed step: the step's tokens side by side in one
+    sequence (decode rows of one token, prompt chunks of several), each segment
+    attending through its own session's cache. The model's linear layers read the
+    weights once for all of them; only attention (_packed_attention) splits."""
+
+    def __init__(self, segments: list) -> None:
+        self.segments = segments  # (cache, n_tokens), in sequence order
+
+    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False):
+        return None  # each segment makes its own (_packed_attention)
+
+
+def _packed_attention(attn, x, cache: PackedCaches):
+    """Llama-shaped attention (q/k/v/o projections, RoPE, optional q/k norms) over a
+    packed sequence: projections on all tokens at once, RoPE, cache and attention
+    per segment, exactly as each session would run alone."""
+    import mlx.core as mx
+
+    _, t, _ = x.shape
+    q = attn.q_proj(x).reshape(1, t, attn.n_heads, -1)
+    k = attn.k_proj(x).reshape(1, t, attn.n_kv_heads, -1)
+    v = attn.v_proj(x).reshape(1, t, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+    outs, at = [], 0
+    for c, n in cache.segments:
+        qs, ks, vs = q[:, :, at:at + n], k[:, :, at:at + n], v[:, :, at:at + n]
+        at += n
+        qs, ks = attn.rope(qs, offset=c.offset), attn.rope(ks, offset=c.offset)
+        ks, vs = c.update_and_fetch(ks, vs)
+        mask = c.make_mask(n, window_size=None, return_array=False) if n > 1 else None
+        outs.append(_solo_sdpa(qs, ks, vs, cache=c, scale=attn.scale, mask=mask))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, t, -1))
+
+
+def install_packed(model) -> bool:
+    """Let ``model``'s attention take PackedCaches (a llama-shaped attention only)."""
+    layers = getattr(model, "layers", None) or []
+    classes = {type(getattr(layer, "self_attn", None)) for layer in layers}
+    if len(classes) != 1:
+        return False
+    cls = classes.pop()
+    if cls.__module__.rsplit(".", 1)[-1] not in PACKABLE:
+        return False
+    if not getattr(cls, "_kvferry_packed", False):
+        solo = cls.__call__
+
+        def call(self, x, mask=None, cache=None):
+            if isinstance(cache, PackedCaches):
+                return _packed_attention(self, x, cache)
+            return solo(self, x, mask=mask, cache=cache)
+        cls.__call__ = call
+        cls._kvferry_packed = True
+    return True
+
+
 def install(model) -> bool:
     """Let ``model`` run decode batches over RowCaches. False for an architecture
     whose attention does not call mlx-lm's ``scaled_dot_product_attention``: its
@@ -175,6 +237,7 @@ class StepScheduler:
         self.gather_s = guest_step_ms / 1000
         self.step_tokens = step_tokens  # prompt tokens a step may add next to decodes (0: adaptive)
         self.batched = install(host.lm.model)
+        self.packed = self.batched and install_packed(host.lm.model)  # prompt chunks in the same pass
         self.cv = threading.Condition()
         self.decodes: deque[_Request] = deque()
         self.prefills: deque[_Request] = deque()
@@ -183,6 +246,7 @@ class StepScheduler:
         self._last = time.monotonic()
         self._decode_s = 0.0  # EMA of a plain decode step's time
         self._tokens = 16  # prompt tokens beside decodes, steered by _account
+        self._late = False
         self.stats = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch_seen": 0,
                       "forward_s": 0.0}  # time in forward passes (the rest: guests and waiting)
         self.last_rows = 0  # rows of the last decode step (a gauge)
@@ -232,6 +296,7 @@ class StepScheduler:
             if self.closed:
                 return [], []
             rows = [self.decodes.popleft() for _ in range(min(len(self.decodes), self.max_batch))]
+            self._late = bool(self.expect)  # decoders still sampling: a prompt chunk stays small anyway
             return rows, list(self.prefills)
 
     def _plan(self, rows: list, prompts: list[_Request]) -> list[tuple[_Request, list[int]]]:
@@ -240,7 +305,7 @@ class StepScheduler:
         steered so a step takes ~1.5x a plain decode step (TPOT p99 <= 2x p50), but
         at least one short prompt whole, so a burst of newcomers joins quickly."""
         plan = []
-        budget = self.step_tokens or self._tokens if rows else None
+        budget = (self.step_tokens or self._tokens) if rows or self._late else None
         for req in prompts:
             step = req.session.options.prefill_step
             left = len(req.tokens) - 1  # the last token is decoded in a batch
@@ -318,6 +383,8 @@ class StepScheduler:
             rows = [r for r in rows if r not in closed]
             plan = [(r, c) for r, c in plan if r not in closed]
         model = self.host.lm.model
+        if self.packed and rows and plan:  # decode-only steps: RowCaches' batched RoPE is cheaper
+            return self._forward_packed(rows, plan)
         out, logits = [], []
         if rows:
             tokens = mx.array([[r.tokens[-1]] for r in rows], dtype=mx.int32)
@@ -337,6 +404,24 @@ class StepScheduler:
             out.extend(c.state for c in req.session.cache)
         mx.eval(out)
         for r in rows:  # the history moves with the cache, under the compute lock (pre-copy reads both)
+            r.session.history.append(r.tokens[-1])
+        for req, chunk in plan:
+            req.session.history.extend(chunk)
+        return logits
+
+    def _forward_packed(self, rows: list[_Request], plan: list):
+        """Decode rows and prompt chunks in one forward pass (one read of the weights)."""
+        import mlx.core as mx
+
+        model = self.host.lm.model
+        tokens = [r.tokens[-1] for r in rows] + [t for _, chunk in plan for t in chunk]
+        sessions = [(r.session, 1) for r in rows] + [(req.session, len(c)) for req, c in plan]
+        layers = len(sessions[0][0].cache)
+        caches = [PackedCaches([(s.cache[j], n) for s, n in sessions]) for j in range(layers)]
+        out = model(mx.array(tokens, dtype=mx.int32)[None], cache=caches)[0]
+        logits = [out[i] for i in range(len(rows))]  # a row's logits: its token's position
+        mx.eval(logits + [c.state for req, _ in plan for c in req.session.cache])
+        for r in rows:
             r.session.history.append(r.tokens[-1])
         for req, chunk in plan:
             req.session.history.extend(chunk)

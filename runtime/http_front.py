@@ -17,6 +17,7 @@ the client sees one unbroken stream.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
@@ -71,8 +72,8 @@ class HttpFront:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/chat/completions", lambda r: self.complete(r, chat=True))
-        app.router.add_post("/v1/completions", lambda r: self.complete(r, chat=False))
+        app.router.add_post("/v1/chat/completions", functools.partial(self.complete, chat=True))
+        app.router.add_post("/v1/completions", functools.partial(self.complete, chat=False))
         errors: list = []
 
         def run() -> None:

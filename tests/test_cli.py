@@ -120,7 +120,7 @@ def test_bench_migrate_runs(smollm_dir):
 def test_bench_serve_runs_and_reports_every_key(smollm_dir):
     """The CI variant of `kvferry bench serve`: small, keys only (never a timing)."""
     r = kvferry("bench", "serve", "--json", "--sessions", "1", "2", "--tokens", "4", "--long-prompt", "200",
-                timeout=900)
+                "--http", "--ttft-samples", "2", timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert [p["sessions"] for p in out["points"]] == [1, 2]
@@ -133,3 +133,8 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
     c = out["consistency"]
     assert c["prompts"] == 2 and 0 <= c["greedy_equal_solo"] <= 1 and 0 <= c["teacher_forced_top1"] <= 1
     assert out["batching"] is True and out["device"] in ("cpu", "gpu")
+    hv = out["http_vs_grpc"]
+    for key in ("ttft_ms_grpc_p50", "ttft_ms_http_p50", "ttft_http_minus_grpc_ms", "tps_grpc", "tps_http",
+                "tps_http_over_grpc"):
+        assert hv[key] is not None
+    assert hv["streams"] == 2 and hv["ttft_samples"] == 2

@@ -27,7 +27,7 @@ import weakref
 from collections import deque
 from typing import Any
 
-from .errors import HostFullError, SessionError
+from .errors import SessionError
 
 
 _LIVE: "weakref.WeakSet[StepScheduler]" = weakref.WeakSet()
@@ -67,32 +67,12 @@ class RowCaches:
                         zip(self.rows, mx.split(keys, n, axis=0), mx.split(values, n, axis=0))]
         return keys, values  # placeholders: the attention reads self.fetched
 
-    def joinable(self) -> bool:
-        """Rows' attention can run as one (see _joint_attention): plain caches, and the
-        B-fold extra arithmetic small (B x all keys under JOINT_KEYS)."""
-        if any(hasattr(c, "bits") for c in self.rows):
-            return False
-        return len(self.rows) * sum(k.shape[2] for k, _ in self.fetched) <= joint_keys()
-
     def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False):
         masks = [c.make_mask(n, window_size=window_size, return_array=return_array) for c in self.rows]
         return None if all(m is None for m in masks) else RowMasks(masks)
 
 
 _solo_sdpa = None
-_joint_keys = None
-
-
-def joint_keys() -> int:
-    """Rows x keys up to which a batch's attention runs jointly: on a GPU the extra
-    arithmetic is nearly free; on this project's CPU it measured slower than row by
-    row even at 8 short rows (113 against 99 ms a step), so never there."""
-    global _joint_keys
-    if _joint_keys is None:
-        import mlx.core as mx
-
-        _joint_keys = 1 << 22 if mx.default_device() == mx.gpu else 0
-    return _joint_keys
 
 
 def _batched_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
@@ -100,34 +80,12 @@ def _batched_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
 
     if not isinstance(cache, RowCaches):
         return _solo_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-    if mask is None and sinks is None and cache.joinable():
-        return _joint_attention(queries, cache, scale)
     outs = []
     qs = mx.split(queries, len(cache.rows), axis=0)
     for i, (c, q, (k, v)) in enumerate(zip(cache.rows, qs, cache.fetched)):
         m = mask[i] if isinstance(mask, RowMasks) else mask
         outs.append(_solo_sdpa(q, k, v, cache=c, scale=scale, mask=m, sinks=sinks))
     return mx.concatenate(outs, axis=0)
-
-
-def _joint_attention(queries, cache: RowCaches, scale: float):
-    """All rows' attention in a few ops, whatever the batch size: the rows' keys and
-    values side by side (one concatenation), every query against all of them, each
-    masked to its own session's span. It does B times the attention arithmetic of
-    row-by-row attention but a fixed number of ops instead of ~12 per row, which is
-    what a decode step of short contexts pays for (RowCaches.joinable bounds it)."""
-    import mlx.core as mx
-
-    keys = mx.concatenate([k for k, _ in cache.fetched], axis=2)  # (1, kv_heads, S, D)
-    values = mx.concatenate([v for _, v in cache.fetched], axis=2)
-    b, heads, _, d = queries.shape
-    kv_heads = keys.shape[1]
-    q = (queries * scale).reshape(b, kv_heads, heads // kv_heads, d)  # grouped-query heads share K/V
-    scores = q @ keys.swapaxes(-1, -2)  # (B, kv_heads, group, S)
-    own = mx.array([i for i, (k, _) in enumerate(cache.fetched) for _ in range(k.shape[2])])
-    scores = mx.where((own[None, :] == mx.arange(b)[:, None])[:, None, None, :], scores, -mx.inf)
-    out = mx.softmax(scores, axis=-1, precise=True).astype(values.dtype) @ values
-    return out.reshape(b, heads, 1, d)
 
 
 PACKABLE = ("llama", "qwen2", "qwen3", "mistral")  # mlx-lm attention modules of one shape (below)
@@ -443,62 +401,6 @@ class StepScheduler:
                 self._tokens = max(4, int(self._tokens * 0.7))
             elif ratio < 1.4:
                 self._tokens = min(4096, int(self._tokens * 1.25) + 1)
-
-
-class Admission:
-    """At most ``max_batch`` turns generate at once, and their KV growth fits the host's
-    KV budget; more wait here, first come first served, up to ``max_queue`` of them
-    (beyond: HostFullError, RESOURCE_EXHAUSTED)."""
-
-    def __init__(self, max_batch: int, max_queue: int, kv_budget: int = 0, kv_used=lambda: 0) -> None:
-        self.max_batch, self.max_queue = max_batch, max_queue
-        self.kv_budget, self.kv_used = kv_budget, kv_used
-        self.cv = threading.Condition()
-        self.running: dict = {}  # session -> KV bytes its turn may still add
-        self.queue: deque = deque()
-
-    def position(self, session: Any) -> int:
-        """0: running or idle; k: k-th in the queue."""
-        with self.cv:
-            return self.queue.index(session) + 1 if session in self.queue else 0
-
-    def _fits(self, need: int) -> bool:
-        if len(self.running) >= self.max_batch:
-            return False
-        return not self.kv_budget or not self.running or \
-            self.kv_used() + sum(self.running.values()) + need <= self.kv_budget
-
-    def enter(self, session: Any, need: int = 0) -> None:
-        """Wait for a place for ``session``'s turn, which may add ``need`` KV bytes."""
-        with self.cv:
-            if session in self.running:
-                return
-            if self.kv_budget and need + self.kv_used() > self.kv_budget:
-                raise HostFullError(f"this reply may need {need / 1e6:.1f} MB of KV cache and the host holds "
-                                    f"{self.kv_used() / 1e6:.1f} MB of its {self.kv_budget / 1e6:.1f} MB "
-                                    "(serve --max-kv-mb); ask for fewer max_tokens or use another host")
-            if not self.queue and self._fits(need):
-                self.running[session] = need
-                return
-            if len(self.queue) >= self.max_queue:
-                raise HostFullError(f"this host is busy: {len(self.running)} replies generating (serve "
-                                    f"--max-batch {self.max_batch}) and {len(self.queue)} waiting "
-                                    f"(--max-queue {self.max_queue}); retry later")
-            self.queue.append(session)
-            try:
-                while not (self.queue[0] is session and self._fits(need)):
-                    if session.closed:
-                        raise SessionError(f"session {session.id} was closed while it waited for a place")
-                    self.cv.wait(1.0)
-            finally:
-                self.queue.remove(session)
-                self.cv.notify_all()
-            self.running[session] = need
-
-    def leave(self, session: Any) -> None:
-        with self.cv:
-            if self.running.pop(session, None) is not None:
-                self.cv.notify_all()
 
 
 def consistency(model, prompts: list[list[int]], tokens: int) -> dict:

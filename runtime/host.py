@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from .abi import V1
-from .batching import Admission, StepScheduler
+from .admission import Admission
+from .batching import StepScheduler
 from .errors import ConfigError, GuestError, HostFullError, SessionExistsError, UnknownSessionError
 from .guest import GuestEngine, GuestModule
 from .guests import GUESTS_DIR

@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 from . import openai_api as oa
-from .errors import SessionBusyError, UnknownSessionError
+from .errors import SessionBusyError, SessionError
 from .guests import GUESTS_DIR
 
 log = logging.getLogger("kvferry.http")
@@ -118,13 +118,7 @@ class Turn:
                 if c.moved_to:
                     moved = (c.moved_to, c.index)
                     break
-                if c.token >= 0:
-                    n_out += 1
-                    self.put("token", c.text)
-                elif c.finish_reason:
-                    if c.finish_reason == "error":
-                        raise UnknownSessionError(c.text or "the reply ended with an error")
-                    self.put("end", c.finish_reason, c.text, n_prompt, n_out)
+                n_out = self._pass(c, n_prompt, n_out)
             if moved is not None:
                 self._relay(s.id, *moved, n_prompt, n_out)
         except Exception as e:  # noqa: BLE001 - the request's answer (or the stream's last event)
@@ -147,11 +141,15 @@ class Turn:
             for ch in c.session(sid, target).resume(from_index=index):
                 if self.cancel.is_set():
                     return
-                if ch.token >= 0:
-                    n_out += 1
-                    self.put("token", ch.text)
-                elif ch.finish_reason:
-                    if ch.finish_reason == "error":
-                        raise UnknownSessionError(ch.text or "the reply ended with an error")
-                    self.put("end", ch.finish_reason, ch.text, n_prompt, n_out)
-                    return
+                n_out = self._pass(ch, n_prompt, n_out)
+
+    def _pass(self, c: Any, n_prompt: int, n_out: int) -> int:
+        """One chunk of the turn to the request's queue; returns the tokens so far."""
+        if c.token >= 0:
+            self.put("token", c.text)
+            return n_out + 1
+        if c.finish_reason == "error":
+            raise SessionError(c.text or "the reply ended with an error")
+        if c.finish_reason:
+            self.put("end", c.finish_reason, c.text, n_prompt, n_out)
+        return n_out

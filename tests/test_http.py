@@ -117,6 +117,34 @@ def test_a_conversation_continues_its_session_and_reuses_its_kv(oai):
     assert named.headers["X-Kvferry-Session"] == sid
 
 
+def test_two_requests_on_one_conversation_never_share_a_session(oai):
+    """Reuse continues an idle session; a second request extending the same
+    conversation meanwhile gets its own session, and both replies are right."""
+    first = oai.chat.completions.with_raw_response.create(model=MODEL, messages=ask("Name a city."),
+                                                          temperature=0, max_tokens=6)
+    sid = first.headers["X-Kvferry-Session"]
+    msgs = ask("Name a city.") + [{"role": "assistant", "content": first.parse().choices[0].message.content},
+                                  {"role": "user", "content": "And a river?"}]
+    out = {}
+    go = threading.Barrier(2)
+
+    def one(i):
+        go.wait()
+        r = oai.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, temperature=0, max_tokens=12,
+                                                          extra_body={"ignore_eos": True})
+        out[i] = (r.headers["X-Kvferry-Session"], r.parse().choices[0].message.content)
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(300)
+    sids = {out[0][0], out[1][0]}
+    assert len(sids) == 2 and sid in sids  # one continued the session, the other got its own
+    alone = oai.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=12,
+                                        extra_body={"ignore_eos": True}).choices[0].message.content
+    assert out[0][1] == out[1][1] == alone  # neither request disturbed the other
+
+
 def test_eight_concurrent_streams_complete(oai):
     done = {}
 
@@ -175,7 +203,44 @@ def test_a_stream_survives_a_live_migration_of_its_session(hosts):
     text = "".join(d["choices"][0]["delta"].get("content") or "" for d in data if d["choices"])
     assert text == ref and data[-1]["usage"]["completion_tokens"] == 48  # nothing lost, nothing repeated
     assert sid in [s["id"] for s in Client(b.address, TOKEN).sessions()]
+    later = requests.post(http_of(a) + "/chat/completions", headers={**auth, "X-Kvferry-Session": sid},
+                          json={**body, "stream": False, "max_tokens": 2}, timeout=60)
+    assert later.status_code == 404 and later.json()["error"]["code"] == "session_moved"
+    assert later.headers["X-Kvferry-Moved-To"] == b.address  # a later request is redirected, not relayed
     deadline = time.time() + 10
     while not any("moved to" in x and sid in x for x in a.log) and time.time() < deadline:
         time.sleep(0.2)
     assert any("moved to" in x and sid in x for x in a.log)  # the source host's log line for the move
+
+
+def test_kvferry_errors_map_to_openai_statuses():
+    from kvferry.errors import (AuthError, ConfigError, HostDrainingError, HostFullError, SessionBusyError,
+                                UnknownSessionError)
+    from kvferry.http_front import as_http
+
+    for err, status in [(HostFullError("busy"), 429), (HostDrainingError("draining"), 503),
+                        (ConfigError("bad"), 400), (UnknownSessionError("gone"), 404), (AuthError("who"), 401),
+                        (SessionBusyError("busy"), 409)]:
+        h = as_http(err)
+        assert h.status == status and h.body()["error"]["message"] == str(err) and h.body()["error"]["code"]
+    assert as_http(HostFullError("busy")).headers == {"Retry-After": "1"}
+    h = as_http(RuntimeError("boom"))  # never a traceback, never the internals
+    assert h.status == 500 and h.body()["error"]["message"] == "internal error: RuntimeError"
+
+
+def test_json_log_lines():
+    import io
+    import logging
+
+    from kvferry.logs import setup
+
+    out = io.StringIO()
+    setup("json", stream=out, ring=False)
+    logging.getLogger("kvferry.migration").info("session %s moved to %s (pause %.1f ms)", "abc", "h:1", 3.0)
+    line = json.loads(out.getvalue().splitlines()[-1])
+    assert line["msg"] == "session abc moved to h:1 (pause 3.0 ms)" and line["level"] == "info"
+    assert line["logger"] == "kvferry.migration"
+    setup("text", stream=out, ring=False)
+    logging.getLogger("kvferry").info("host up")
+    assert out.getvalue().splitlines()[-1].endswith("kvferry INFO kvferry: host up")
+    setup("text", ring=False)  # back to stderr for the rest of the session

@@ -20,8 +20,8 @@ def _grpc_turn(address: str, token: str, tokens: int) -> tuple[float, int]:
     from ..sdk import Client
 
     with Client(address, token, timeout=600) as c:
+        t0 = time.perf_counter()  # an HTTP request creates its session too: both count the creation
         s = c.create_session(max_tokens=tokens, ignore_eos=True)
-        t0 = time.perf_counter()
         first, n = None, 0
         for ch in s.events(PROMPT):
             if ch.token >= 0:

@@ -85,10 +85,11 @@ def cmd_serve(a) -> int:
             raise KvferryError(f"--no-auth is only allowed on a loopback address, not {a.bind}")
 
     def ready(addr: str, http: str | None = None) -> None:
+        scheme = "https" if a.tls_cert else "http"  # the HTTP front serves with the gRPC certificate
         print(f"kvferry serving on {addr} (model {a.model or 'SmolLM2-135M-Instruct'}, "
               f"auth {'off' if token is None and not a.tokens else 'keys' if a.tokens else 'token'}, "
               f"TLS {'mutual' if a.tls_ca and a.tls_cert else 'on' if a.tls_cert else 'off'}"
-              f"{f', OpenAI API on http://{http}/v1' if http else ''})", flush=True)
+              f"{f', OpenAI API on {scheme}://{http}/v1' if http else ''})", flush=True)
 
     def report(o: dict) -> None:
         print(f"kvferry: session {o['session']}: {o['outcome']} {o['where']} {o['error']}".rstrip(),

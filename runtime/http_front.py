@@ -106,6 +106,9 @@ class HttpFront:
 
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.load_cert_chain(tls.cert, tls.key)
+        if tls.ca:  # mutual TLS, as on gRPC: a client certificate from this CA is required
+            ctx.load_verify_locations(tls.ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
 
     def stop(self) -> None:

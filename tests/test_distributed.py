@@ -397,6 +397,18 @@ def test_tls_and_mutual_tls(tiny_model, tmp_path):
         assert ok.health()["status"] == "ok"
         with pytest.raises(AuthError):  # TLS does not replace the token
             Client(mtls.address, "wrong", tls=TLSConfig(c["ccert"], c["ckey"], c["ca"])).health()
+        import requests
+
+        from kvferry.http_front import HttpFront
+
+        fronts = [HttpFront(tls, "127.0.0.1", 0).start(), HttpFront(mtls, "127.0.0.1", 0).start()]
+        web, mweb = (f"https://{f.address}/health" for f in fronts)  # the HTTP front has the same TLS
+        assert requests.get(web, verify=c["ca"], timeout=10).json() == {"status": "ok"}
+        with pytest.raises(requests.exceptions.ConnectionError):  # SSLError included: no client certificate
+            requests.get(mweb, verify=c["ca"], timeout=10)
+        assert requests.get(mweb, verify=c["ca"], cert=(c["ccert"], c["ckey"]), timeout=10).status_code == 200
+        for f in fronts:
+            f.stop()
     finally:
         tls.stop()
         mtls.stop()

@@ -244,3 +244,34 @@ def test_json_log_lines():
     logging.getLogger("kvferry").info("host up")
     assert out.getvalue().splitlines()[-1].endswith("kvferry INFO kvferry: host up")
     setup("text", ring=False)  # back to stderr for the rest of the session
+
+
+def test_a_client_key_holds_at_most_its_share_of_requests(tiny_model):
+    """serve's calls-per-key limit holds on HTTP too: 429 with Retry-After, one line."""
+    from kvferry.host import ModelHost
+    from kvferry.http_front import HttpFront
+    from kvferry.keys import Key, Keyring
+    from kvferry.policy import HostPolicy
+    from kvferry.server import HostServer
+
+    host = ModelHost(str(tiny_model), progress=False, policy=HostPolicy(calls_per_key=1))
+    srv = HostServer(host, "127.0.0.1:0", keys=Keyring({"alice-key-0123456789": Key("alice", "client"),
+                                                        TOKEN: Key("admin", "admin")})).start()
+    front = HttpFront(srv, "127.0.0.1", 0).start()
+    url = f"http://{front.address}/v1/chat/completions"
+    body = {"model": host.lm.name, "messages": ask("hi"), "max_tokens": 200, "ignore_eos": True, "stream": True}
+    try:
+        with requests.post(url, json=body, headers={"Authorization": "Bearer alice-key-0123456789"}, stream=True,
+                           timeout=120) as first:
+            next(first.iter_lines())  # alice's first request is generating
+            second = requests.post(url, json={**body, "stream": False},
+                                   headers={"Authorization": "Bearer alice-key-0123456789"}, timeout=60)
+            assert second.status_code == 429 and second.headers["Retry-After"] == "1"
+            assert second.json()["error"]["code"] == "too_many_calls"
+            admin = requests.post(url, json={**body, "stream": False, "max_tokens": 2},
+                                  headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+            assert admin.status_code == 200  # the limit is per client key
+    finally:
+        front.stop()
+        srv.stop(0)
+        host.close()

@@ -195,7 +195,7 @@ class HttpFront:
         self.loop.run_in_executor(self.pool, turn.drive)
         try:
             return await self._answer(request, turn, req, chat)
-        except (ConnectionResetError, asyncio.CancelledError):
+        except asyncio.CancelledError:
             turn.cancel.set()  # the client went away: its place in the batch frees at the next step
             raise
         finally:
@@ -212,6 +212,14 @@ class HttpFront:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            SESSION_HEADER: sid})
         await resp.prepare(request)
+        try:
+            await self._stream(resp, turn, req, chat, rid, created, model)
+        except ConnectionResetError:  # the client went away mid-stream: not an error of the host's
+            turn.cancel.set()
+        return resp
+
+    async def _stream(self, resp: web.StreamResponse, turn: Any, req: oa.Request, chat: bool, rid: str,
+                      created: int, model: str) -> None:
         first_chunk = True
         while True:
             item = await turn.queue.get()
@@ -234,7 +242,6 @@ class HttpFront:
                 break
             await self._sse(resp, data)
         await resp.write(b"data: [DONE]\n\n")
-        return resp
 
     @staticmethod
     async def _sse(resp: web.StreamResponse, data: dict) -> None:

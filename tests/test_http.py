@@ -251,26 +251,30 @@ def test_a_client_key_holds_at_most_its_share_of_requests(tiny_model):
     from kvferry.host import ModelHost
     from kvferry.http_front import HttpFront
     from kvferry.keys import Key, Keyring
+    from kvferry.params import SamplingParams
     from kvferry.policy import HostPolicy
     from kvferry.server import HostServer
 
-    host = ModelHost(str(tiny_model), progress=False, policy=HostPolicy(calls_per_key=1))
+    host = ModelHost(str(tiny_model), progress=False, policy=HostPolicy(calls_per_key=1, max_batch=1))
     srv = HostServer(host, "127.0.0.1:0", keys=Keyring({"alice-key-0123456789": Key("alice", "client"),
                                                         TOKEN: Key("admin", "admin")})).start()
     front = HttpFront(srv, "127.0.0.1", 0).start()
     url = f"http://{front.address}/v1/chat/completions"
-    body = {"model": host.lm.name, "messages": ask("hi"), "max_tokens": 200, "ignore_eos": True, "stream": True}
+    alice = {"Authorization": "Bearer alice-key-0123456789"}
+    body = {"model": host.lm.name, "messages": ask("hi"), "max_tokens": 4, "ignore_eos": True, "stream": True}
+    holder = host.create_session(sampling=SamplingParams(max_tokens=8, ignore_eos=True))
+    hold = holder.send("hold the batch")
+    next(hold)  # the batch's only place is taken: alice's first request waits in the queue, in flight
     try:
-        with requests.post(url, json=body, headers={"Authorization": "Bearer alice-key-0123456789"}, stream=True,
-                           timeout=120) as first:
-            next(first.iter_lines())  # alice's first request is generating
-            second = requests.post(url, json={**body, "stream": False},
-                                   headers={"Authorization": "Bearer alice-key-0123456789"}, timeout=60)
+        with requests.post(url, json=body, headers=alice, stream=True, timeout=120) as first:
+            second = requests.post(url, json={**body, "stream": False}, headers=alice, timeout=60)
             assert second.status_code == 429 and second.headers["Retry-After"] == "1"
-            assert second.json()["error"]["code"] == "too_many_calls"
-            admin = requests.post(url, json={**body, "stream": False, "max_tokens": 2},
-                                  headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
-            assert admin.status_code == 200  # the limit is per client key
+            assert second.json()["error"]["code"] == "too_many_calls" and "alice" in second.json()["error"]["message"]
+            hold.close()  # the place frees: alice's first request runs to its end
+            assert [x for x in first.iter_lines() if x][-1] == b"data: [DONE]"
+        admin = requests.post(url, json={**body, "stream": False}, headers={"Authorization": f"Bearer {TOKEN}"},
+                              timeout=60)
+        assert admin.status_code == 200  # the limit is per client key
     finally:
         front.stop()
         srv.stop(0)

@@ -28,10 +28,10 @@ from typing import Any, Iterator
 import ray
 
 from . import blas
-
-log = logging.getLogger("kvferry.host")
 from .errors import ConfigError
 from .paths import ensure_token  # noqa: F401  (re-exported: `kvferry serve` and jobs use it)
+
+log = logging.getLogger("kvferry.host")
 
 NAMESPACE = "kvferry"
 CONTROLLER = "kvferry-controller"

@@ -101,7 +101,6 @@ class Drainer:
             (log.info if out["outcome"] != "failed" else log.error)(
                 "drain %s: %s %s %s", sid, out["outcome"], out["where"], out["error"])
             outcomes.append(out)
-            log.info("drain: session %s %s %s %s", sid, out["outcome"], out["where"], out["error"])
         return outcomes
 
     def _to_drain(self):

@@ -308,7 +308,12 @@ class StepScheduler:
             t0 = time.perf_counter()
             try:
                 with self.host.compute:
+                    rows, plan = self._open_only(rows, plan)
                     logits = self._forward(rows, plan)
+                    for r in rows:  # the history moves with the cache, under the compute lock
+                        r.session.history.append(r.tokens[-1])  # (pre-copy reads both)
+                    for req, chunk in plan:
+                        req.session.history.extend(chunk)
             except Exception as e:  # noqa: BLE001 - the sessions of this step hear it, the loop goes on
                 err = e if isinstance(e, SessionError) else SessionError(f"model step failed: {e}")
                 self._fail(rows + [req for req, _ in plan], err)
@@ -332,14 +337,19 @@ class StepScheduler:
             r.error = err
             r.done.set()
 
+    def _open_only(self, rows: list[_Request], plan: list) -> tuple[list[_Request], list]:
+        """This step's work without sessions closed by another thread while they
+        waited: those alone hear of it."""
+        closed = [r for r in rows if r.session.closed] + [r for r, _ in plan if r.session.closed]
+        if not closed:
+            return rows, plan
+        self._fail(closed, SessionError("the session was closed during its step"))
+        return [r for r in rows if r not in closed], [(r, c) for r, c in plan if r not in closed]
+
     def _forward(self, rows: list[_Request], plan: list):
+        """One step's model work; returns each decode row's logits, evaluated."""
         import mlx.core as mx
 
-        closed = [r for r in rows if r.session.closed] + [r for r, _ in plan if r.session.closed]
-        if closed:  # closed by another thread while it waited: it alone hears of it
-            self._fail(closed, SessionError("the session was closed during its step"))
-            rows = [r for r in rows if r not in closed]
-            plan = [(r, c) for r, c in plan if r not in closed]
         model = self.host.lm.model
         if self.packed and rows and plan:  # decode-only steps: RowCaches' batched RoPE is cheaper
             return self._forward_packed(rows, plan)
@@ -361,10 +371,6 @@ class StepScheduler:
             model(mx.array(chunk, dtype=mx.int32)[None], cache=req.session.cache)
             out.extend(c.state for c in req.session.cache)
         mx.eval(out)
-        for r in rows:  # the history moves with the cache, under the compute lock (pre-copy reads both)
-            r.session.history.append(r.tokens[-1])
-        for req, chunk in plan:
-            req.session.history.extend(chunk)
         return logits
 
     def _forward_packed(self, rows: list[_Request], plan: list):
@@ -379,10 +385,6 @@ class StepScheduler:
         out = model(mx.array(tokens, dtype=mx.int32)[None], cache=caches)[0]
         logits = [out[i] for i in range(len(rows))]  # a row's logits: its token's position
         mx.eval(logits + [c.state for req, _ in plan for c in req.session.cache])
-        for r in rows:
-            r.session.history.append(r.tokens[-1])
-        for req, chunk in plan:
-            req.session.history.extend(chunk)
         return logits
 
     def _account(self, rows: list, n_prompt: int, dt: float) -> None:
@@ -430,20 +432,15 @@ def consistency(model, prompts: list[list[int]], tokens: int) -> dict:
     solo_caches, logits = prefilled()
     first = mx.argmax(logits, axis=-1).tolist()
     solo = [[t] for t in first]
-    solo_logits = []
-    for i, c in enumerate(solo_caches):  # solo greedy replies, and their logits at each step
-        steps = []
+    for reply, c in zip(solo, solo_caches):  # solo greedy replies
         for _ in range(tokens - 1):
-            lo = model(mx.array([[solo[i][-1]]]), cache=c)[:, -1]
-            steps.append(mx.argmax(lo, axis=-1).item())
-            solo[i].append(steps[-1])
-        solo_logits.append(steps)
+            reply.append(mx.argmax(model(mx.array([[reply[-1]]]), cache=c)[:, -1], axis=-1).item())
     forced, free = prefilled()[0], prefilled()[0]
     agree = total = 0
     batch = [[t] for t in first]
     for k in range(tokens - 1):
         top = mx.argmax(batched_step(forced, [s[k] for s in solo]), axis=-1).tolist()
-        agree += sum(int(a == s[k]) for a, s in zip(top, solo_logits))
+        agree += sum(int(a == s[k + 1]) for a, s in zip(top, solo))  # fed solo's token k, solo said k + 1
         total += len(top)
         nxt = mx.argmax(batched_step(free, [b[-1] for b in batch]), axis=-1).tolist()
         for b, t in zip(batch, nxt):

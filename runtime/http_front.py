@@ -65,7 +65,6 @@ class HttpFront:
         self._ready = threading.Event()
         self._runner: web.AppRunner | None = None
         self.address = ""
-        self.in_flight: dict[str, int] = {}  # client key -> requests it has open (serve's calls_per_key)
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> "HttpFront":
@@ -185,11 +184,10 @@ class HttpFront:
             sampling = replace(base, **req.sampling).validate()
         except Exception as e:  # noqa: BLE001 - every error is an OpenAI error object
             return self._error(e)
-        limit = self.srv.host.policy.calls_per_key
-        if key.role == "client" and self.in_flight.get(key.name, 0) >= limit:
-            return self._error(TooManyCallsError(f"key '{key.name}' has {limit} requests open, its limit; wait "
-                                                 "for one to finish"))
-        self.in_flight[key.name] = self.in_flight.get(key.name, 0) + 1  # one loop thread: no lock needed
+        try:
+            self.srv.quota.enter(key)  # the same count as the key's gRPC calls
+        except TooManyCallsError as e:
+            return self._error(e)
         turn = Turn(self.srv, key, req, chat, sampling, request.headers.get(SESSION_HEADER),
                     request.headers.get("Authorization", ""), self.loop)
         self.loop.run_in_executor(self.pool, turn.drive)
@@ -199,7 +197,7 @@ class HttpFront:
             turn.cancel.set()  # the client went away: its place in the batch frees at the next step
             raise
         finally:
-            self.in_flight[key.name] -= 1
+            self.srv.quota.leave(key)
 
     async def _answer(self, request: web.Request, turn: Any, req: oa.Request, chat: bool) -> web.StreamResponse:
         first = await turn.queue.get()

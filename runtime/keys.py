@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import hmac
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, TooManyCallsError
 
 ROLES = ("admin", "client", "peer")
 MIN_TOKEN = 16  # characters: shorter keys are refused (a guessable key is no key)
@@ -32,6 +33,35 @@ class Key:
 
 
 NOBODY = Key("", "admin")  # a host serving without auth (--no-auth, loopback only)
+
+
+class CallQuota:
+    """Calls each client key has in flight on a host, against one limit (``limit``;
+    0: none) shared by every protocol the host serves, gRPC and HTTP, so one key
+    cannot take every worker thread. Admin and peer keys are not rationed."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def rationed(self, key: Key) -> bool:
+        return key.role == "client" and self.limit > 0
+
+    def enter(self, key: Key) -> None:
+        """Count one more call of ``key``; TooManyCallsError at its limit."""
+        if not self.rationed(key):
+            return
+        with self.lock:
+            if self.in_flight.get(key.name, 0) >= self.limit:
+                raise TooManyCallsError(f"key '{key.name}' has {self.limit} calls in flight, its limit; "
+                                        "retry when one ends")
+            self.in_flight[key.name] = self.in_flight.get(key.name, 0) + 1
+
+    def leave(self, key: Key) -> None:
+        if self.rationed(key):
+            with self.lock:
+                self.in_flight[key.name] -= 1
 
 
 class Keyring:

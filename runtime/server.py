@@ -29,7 +29,7 @@ from .checkpoint.snapshot import snapshot
 from .drain import DRAIN_TIMEOUT, Drainer
 from .errors import (ConfigError, ForbiddenError, GuestError, HostDrainingError, KvferryError, ModelMismatchError,
                      SessionBusyError, UnknownSessionError)
-from .keys import NOBODY, Key, Keyring
+from .keys import NOBODY, CallQuota, Key, Keyring
 from .host import ModelHost
 from .migration_in import Incoming, MigrationTarget, expire
 from .migration_out import MigrationSource, MigrationTicket
@@ -97,6 +97,7 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
         self.aborted: dict[str, float] = {}  # migration id -> when it was abandoned (never committed after)
         self.registry_lock = threading.Lock()
         policy = host.policy
+        self.quota = CallQuota(policy.calls_per_key)  # client keys' calls, gRPC and HTTP together
         self.executor = futures.ThreadPoolExecutor(max_workers=policy.max_concurrent_rpcs + 8,
                                                    thread_name_prefix="kvferry-rpc")
         # landed turns generate on their own threads: a flood of calls cannot starve them
@@ -106,7 +107,7 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
         options = grpc_options() + [("grpc.http2.min_recv_ping_interval_without_data_ms", 10000),
                                     ("grpc.http2.max_ping_strikes", 0),
                                     ("grpc.keepalive_permit_without_calls", 1)]
-        self.server = grpc.server(self.executor, options=options, interceptors=[AuthInterceptor(keys, policy.calls_per_key)],
+        self.server = grpc.server(self.executor, options=options, interceptors=[AuthInterceptor(keys, self.quota)],
                                   maximum_concurrent_rpcs=policy.max_concurrent_rpcs)
         pbg.add_SessionsServicer_to_server(_Sessions(self), self.server)
         pbg.add_MigrationServicer_to_server(MigrationTarget(self), self.server)

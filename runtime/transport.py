@@ -9,7 +9,6 @@ grpcio is needed here, so the SDK stays a thin client.
 from __future__ import annotations
 
 import ipaddress
-import threading
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -116,13 +115,10 @@ class AuthInterceptor(grpc.ServerInterceptor):
     allows the service: peers only the host-to-host Migration service, clients only
     the Sessions service, admins both. ``keys`` None: no auth (loopback only)."""
 
-    def __init__(self, keys: Any, calls_per_key: int = 0):
-        """``calls_per_key``: calls a client or peer key may have in flight at once (0:
-        no limit; admin and peer keys have none), so one key cannot take every worker thread."""
+    def __init__(self, keys: Any, quota: Any = None):
+        """``quota``: a kvferry.keys.CallQuota counting the client keys' calls (None: no limit)."""
         self.keys = keys
-        self.calls_per_key = calls_per_key
-        self.in_flight: dict[str, int] = {}
-        self.lock = threading.Lock()
+        self.quota = quota
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -137,13 +133,14 @@ class AuthInterceptor(grpc.ServerInterceptor):
                                    "only hosts (a peer key)")
         elif not migration and key.role == "peer":
             error = ForbiddenError(f"key '{key.name}' is a peer key: it may only migrate sessions between hosts")
-        elif key.role != "client" or not self.calls_per_key:
+        elif self.quota is None or not self.quota.rationed(key):
             return handler  # admins and peer hosts are not rationed
-        elif not self._enter(key.name):
-            error = TooManyCallsError(f"key '{key.name}' has {self.calls_per_key} calls in flight, its "
-                                      "limit; retry when one ends")
         else:
-            return self._counted(handler, key.name)
+            try:
+                self.quota.enter(key)
+                return self._counted(handler, key)
+            except TooManyCallsError as e:
+                error = e
 
         def deny(request, context):
             abort(context, error)
@@ -156,19 +153,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(deny)
         return grpc.unary_unary_rpc_method_handler(deny)
 
-    def _enter(self, name: str) -> bool:
-        with self.lock:
-            if self.in_flight.get(name, 0) >= self.calls_per_key:
-                return False
-            self.in_flight[name] = self.in_flight.get(name, 0) + 1
-            return True
-
-    def _leave(self, name: str) -> None:
-        with self.lock:
-            self.in_flight[name] -= 1
-
-    def _counted(self, handler, name: str):
-        """``handler``, counting one call of key ``name`` until it ends (taken in _enter)."""
+    def _counted(self, handler, key: Any):
+        """``handler``, counting one call of ``key`` until it ends (taken by the quota's enter)."""
         behavior = (handler.stream_stream or handler.stream_unary or handler.unary_stream
                     or handler.unary_unary)
         if handler.response_streaming:
@@ -176,13 +162,13 @@ class AuthInterceptor(grpc.ServerInterceptor):
                 try:
                     yield from behavior(request, context)
                 finally:
-                    self._leave(name)
+                    self.quota.leave(key)
         else:
             def run(request, context):
                 try:
                     return behavior(request, context)
                 finally:
-                    self._leave(name)
+                    self.quota.leave(key)
         make = {(True, True): grpc.stream_stream_rpc_method_handler,
                 (True, False): grpc.stream_unary_rpc_method_handler,
                 (False, True): grpc.unary_stream_rpc_method_handler,

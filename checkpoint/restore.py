@@ -138,10 +138,8 @@ class Restorer:
                                                                   "QuantizedKVCache"):
             raise CheckpointError(f"{where}: cache of {cache.get('layers')} layers of "
                                   f"{cache.get('class')!r} does not fit this model ({n} layers)")
-        cfg = lm.config
-        self.kv_heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
-        self.head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-        self.context = int(cfg.get("max_position_embeddings") or 4096)
+        self.kv_heads, self.head_dim = lm.kv_heads, lm.head_dim
+        self.context = int(lm.config.get("max_position_embeddings") or 4096)
         if (cache.get("kv_heads"), cache.get("head_dim")) != (self.kv_heads, self.head_dim):
             raise CheckpointError(f"{where}: KV of {cache.get('kv_heads')} heads x {cache.get('head_dim')} "
                                   f"does not fit this model ({self.kv_heads} x {self.head_dim})")

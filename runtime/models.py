@@ -122,6 +122,16 @@ class LoadedModel:
     extra: dict = field(default_factory=dict)
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads per layer (grouped-query attention: fewer than the query heads)."""
+        return int(self.config.get("num_key_value_heads") or self.config["num_attention_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.config
+        return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+    @property
     def eos_token_ids(self) -> set[int]:
         return set(self.tokenizer.eos_token_ids)
 

@@ -139,8 +139,7 @@ class Session:
         options.validate(context)
         sampling.validate()
         self.context = options.ctx or context
-        cfg = self.lm.config
-        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        head_dim = self.lm.head_dim
         if options.kv_bits is not None and head_dim % options.kv_group_size:
             raise ConfigError(f"--kv-bits: the model's head dim {head_dim} is not a multiple of the "
                               f"KV group size {options.kv_group_size}")
@@ -473,11 +472,8 @@ class Session:
 
     def kv_token_bytes(self) -> int:
         """KV bytes one more token adds (keys and values, every layer)."""
-        cfg = self.lm.config
-        heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
         item = 1 if self.options.kv_bits else 2 if self.lm.dtype in ("float16", "bfloat16") else 4
-        return 2 * len(self.lm.model.layers) * heads * head_dim * item
+        return 2 * len(self.lm.model.layers) * self.lm.kv_heads * self.lm.head_dim * item
 
     def describe(self) -> dict:
         return {"id": self.id, "guest": self.guest.module.label, "guest_sha256": self.guest.module.sha256,

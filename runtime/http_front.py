@@ -81,7 +81,9 @@ class HttpFront:
             try:
                 self._runner = web.AppRunner(app, access_log=None)
                 self.loop.run_until_complete(self._runner.setup())
-                site = web.TCPSite(self._runner, self.bind, self.port, ssl_context=self._ssl())
+                tls = self.srv.tls
+                ssl = tls.ssl_server_context() if tls is not None and tls.cert else None  # gRPC's TLS
+                site = web.TCPSite(self._runner, self.bind, self.port, ssl_context=ssl)
                 self.loop.run_until_complete(site.start())
                 port = self._runner.addresses[0][1]
                 self.address = f"{self.srv.address.rpartition(':')[0]}:{port}"
@@ -97,19 +99,6 @@ class HttpFront:
             raise KvferryError(f"cannot serve HTTP on {self.bind}:{self.port}: {errors[0]}")
         log.info("HTTP front on %s", self.address)
         return self
-
-    def _ssl(self):
-        tls = self.srv.tls
-        if tls is None or not tls.cert:
-            return None
-        import ssl
-
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.load_cert_chain(tls.cert, tls.key)
-        if tls.ca:  # mutual TLS, as on gRPC: a client certificate from this CA is required
-            ctx.load_verify_locations(tls.ca)
-            ctx.verify_mode = ssl.CERT_REQUIRED
-        return ctx
 
     def stop(self) -> None:
         if self._runner is not None:

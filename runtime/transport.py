@@ -41,6 +41,18 @@ class TLSConfig:
                                                require_client_auth=True)
         return grpc.ssl_server_credentials(pair)
 
+    def ssl_server_context(self):
+        """The same server certificate (and, with ``ca``, the same client-certificate
+        requirement) for a non-gRPC server of the host (its HTTP front)."""
+        import ssl
+
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.cert, self.key)
+        if self.ca:
+            ctx.load_verify_locations(self.ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(
             root_certificates=_read(self.ca) if self.ca else None,

@@ -107,17 +107,23 @@ def peers(*names: str) -> tuple[str, str]:
     return "--peers", ",".join(f"127.0.0.1:{PORTS[n]}" for n in names)
 
 
-@pytest.fixture(scope="module")
-def two_hosts(smollm_dir):
-    a = Serve(*peers("b", "other", "victim", "small"), port=PORTS["a"])
+def serving_pair(a_args: tuple, a_port: int, b_args: tuple, b_port: int):
+    """Two `kvferry serve` hosts, yielded as (a, b) and stopped after (a fixture's body)."""
+    a = Serve(*a_args, port=a_port)
     try:
-        b = Serve(*peers("a", "other", "victim", "small"), port=PORTS["b"])
+        b = Serve(*b_args, port=b_port)
     except Exception:
         a.stop()
         raise
     yield a, b
     a.stop()
     b.stop()
+
+
+@pytest.fixture(scope="module")
+def two_hosts(smollm_dir):
+    yield from serving_pair(peers("b", "other", "victim", "small"), PORTS["a"],
+                            peers("a", "other", "victim", "small"), PORTS["b"])
 
 
 def test_migration_continues_identically(two_hosts):

@@ -13,7 +13,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvferry import Client
-from test_distributed import TOKEN, Serve, free_port
+from test_distributed import TOKEN, Serve, free_port, serving_pair
 
 MODEL = "SmolLM2-135M-Instruct"
 PORTS = {"a": free_port(), "b": free_port()}
@@ -26,15 +26,8 @@ def http_of(serve: Serve) -> str:
 
 @pytest.fixture(scope="module")
 def hosts(smollm_dir):
-    a = Serve("--http-port", "0", "--peers", f"127.0.0.1:{PORTS['b']}", port=PORTS["a"])
-    try:
-        b = Serve("--http-port", "0", "--peers", f"127.0.0.1:{PORTS['a']}", port=PORTS["b"])
-    except Exception:
-        a.stop()
-        raise
-    yield a, b
-    a.stop()
-    b.stop()
+    yield from serving_pair(("--http-port", "0", "--peers", f"127.0.0.1:{PORTS['b']}"), PORTS["a"],
+                            ("--http-port", "0", "--peers", f"127.0.0.1:{PORTS['a']}"), PORTS["b"])
 
 
 @pytest.fixture()

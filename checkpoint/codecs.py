@@ -419,15 +419,18 @@ SINK_TOKENS = 0  # measured: keeping attention-sink tokens exact did not change 
 
 
 def encode(u: np.ndarray, dtype: str, mode: str = "lossless", role: str = "values",
-           sink: int = SINK_TOKENS) -> dict:
+           sink: int = SINK_TOKENS, borrow: bool = False) -> dict:
     """Encode a tensor given as its raw bits (unsigned view) and dtype name.
     ``role`` ("keys"/"values") picks the quantization axis in lossy modes;
-    ``sink``: leading tokens kept exact in lossy modes (0 for a later delta)."""
+    ``sink``: leading tokens kept exact in lossy modes (0 for a later delta);
+    ``borrow``: a raw blob's payload is a view of ``u``, valid while ``u`` is
+    (packed into a frame at once, the payload is copied once instead of twice)."""
     if mode not in MODES:
         raise CheckpointError(f"unknown checkpoint mode '{mode}' (choose from {', '.join(MODES)})")
     if mode == "raw":
+        u = np.ascontiguousarray(u)
         return {"codec": "raw", "dtype": dtype, "shape": list(u.shape), "nbytes": u.nbytes,
-                "parts": [np.ascontiguousarray(u).tobytes()], "meta": {}}
+                "parts": [memoryview(u).cast("B") if borrow else u.tobytes()], "meta": {}}
     if mode == "lossless" or dtype not in FLOATS or u.ndim < 2:
         return encode_lossless(u, dtype)
     # int4 keys keep their few outlier channels at 8 bits. Measured on SmolLM2, mean

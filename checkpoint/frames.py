@@ -65,13 +65,20 @@ def preamble() -> bytes:
 
 
 def encode_frame(kind: int, obj: Any) -> bytes:
-    body = pack(obj)
+    # packed in place, then joined to its head: a large payload is copied twice at
+    # most on its way into the frame (KV moves at memory speed, see docs/migration.md)
+    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+    packer.pack(obj)
+    body = packer.getbuffer()
     if len(body) > MAX_BODY:
         raise CheckpointError(f"{KIND_NAMES.get(kind, kind)} frame of {len(body)} bytes exceeds "
                               f"the {MAX_BODY >> 20} MiB frame limit")
     h = xxhash.xxh64(bytes([kind]))
     h.update(body)
-    return FRAME_HEAD.pack(kind, 0, 0, len(body), h.intdigest()) + body
+    try:
+        return b"".join((FRAME_HEAD.pack(kind, 0, 0, len(body), h.intdigest()), body))
+    finally:
+        body.release()
 
 
 class FrameWriter:
@@ -118,10 +125,16 @@ class FrameDecoder:
     def feed(self, data: bytes) -> Iterator[Frame]:
         if self.done and data:
             raise CheckpointError(f"{len(data)} bytes after the trailer")
-        self.buf += data
         self.total += len(data)
         if self.total > self.max_total:
             raise CheckpointError(f"checkpoint exceeds {self.max_total} bytes")
+        if self.have_preamble and not self.buf:
+            # whole frames in one chunk (a gRPC message each): read them where they are
+            view = memoryview(data)
+            used = yield from self._frames(view)
+            self.buf += view[used:]
+            return
+        self.buf += data
         if not self.have_preamble:
             if len(self.buf) < PREAMBLE.size:
                 return
@@ -134,23 +147,34 @@ class FrameDecoder:
             self.digest.update(bytes(self.buf[:PREAMBLE.size]))
             del self.buf[:PREAMBLE.size]
             self.have_preamble = True
-        while len(self.buf) >= FRAME_HEAD.size and not self.done:
-            kind, r1, r2, n, checksum = FRAME_HEAD.unpack_from(self.buf)
+        view = memoryview(self.buf)
+        try:
+            used = yield from self._frames(view)
+        finally:
+            view.release()
+        del self.buf[:used]
+
+    def _frames(self, buf: memoryview):
+        """Verify and yield the whole frames at the start of ``buf``; returns the
+        bytes they took."""
+        pos = 0
+        while len(buf) - pos >= FRAME_HEAD.size and not self.done:
+            kind, r1, r2, n, checksum = FRAME_HEAD.unpack_from(buf, pos)
             where = f"frame {self.index} ({KIND_NAMES.get(kind, f'kind {kind}')})"
             if kind not in KIND_NAMES or r1 or r2:
                 raise CheckpointError(f"{where}: bad frame header")
             if n > MAX_BODY:
                 raise CheckpointError(f"{where}: declares a {n}-byte body, over the "
                                       f"{MAX_BODY >> 20} MiB frame limit")
-            if len(self.buf) < FRAME_HEAD.size + n:
-                return
-            raw = bytes(self.buf[:FRAME_HEAD.size + n])
+            if len(buf) - pos < FRAME_HEAD.size + n:
+                break
+            raw = buf[pos:pos + FRAME_HEAD.size + n]
             body = raw[FRAME_HEAD.size:]
             h = xxhash.xxh64(bytes([kind]))
             h.update(body)
             if h.intdigest() != checksum:
                 raise CheckpointError(f"{where}: checksum mismatch (corrupted)")
-            del self.buf[:FRAME_HEAD.size + n]
+            pos += FRAME_HEAD.size + n
             obj = unpack(body, where)
             if kind == TRAILER:
                 if not isinstance(obj, dict) or obj.get("frames") != self.index or \
@@ -164,6 +188,7 @@ class FrameDecoder:
                 raise CheckpointError(f"{where}: the first frame must be the header")
             yield Frame(self.index, kind, obj, len(raw))
             self.index += 1
+        return pos
 
     def close(self) -> None:
         if not self.have_preamble:

@@ -81,7 +81,8 @@ def summary(info: dict) -> str:
         f"checkpoint {info['file']}: {info['bytes']} bytes, {info['frames']} frames, verified",
         f"  format {h.get('format')} (kvferry {h.get('kvferry')}), created {h.get('created_at')} on "
         f"{h.get('created_on')}, mode {h.get('mode')}",
-        f"  model  {m.get('name')} fingerprint {str(m.get('fingerprint'))[:16]}… weights {m.get('dtype')}",
+        f"  model  {m.get('name')} fingerprint {str(m.get('fingerprint'))[:16]}… "
+        f"weights {m.get('weights') or m.get('dtype')}, KV {m.get('dtype')}",
         f"  guest  {g.get('label')} sha256 {str(g.get('sha256'))[:16]}…",
         f"  session {s.get('id')}: {info.get('tokens')} tokens, {info.get('messages')} messages, "
         f"context {s.get('context')}, cache {h.get('cache', {}).get('class')}",

@@ -9,7 +9,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .errors import OutOfMemoryError
+from .errors import CheckpointError, OutOfMemoryError
 
 
 def mx_bits(a) -> tuple[np.ndarray, str]:
@@ -37,6 +37,30 @@ def mx_from_bits(u: np.ndarray, dtype: str):
     if dtype in ("float32", "float16", "bfloat16"):
         a = a.view(getattr(mx, dtype))
     return a
+
+
+def _as_float32(u: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float32":
+        return u.view(np.float32)
+    if dtype == "float16":
+        return u.view(np.float16).astype(np.float32)
+    return (u.astype(np.uint32) << 16).view(np.float32)  # bfloat16: float32's upper half
+
+
+def cast_bits(u: np.ndarray, src: str, dst: str, where: str) -> tuple[np.ndarray, str]:
+    """KV bits in dtype ``src`` -> bits in ``dst`` (float32/float16/bfloat16), exactly
+    or not at all: widening is always exact; narrowing only when every value
+    survives the round trip (say KV that was float16 before), else one line."""
+    if src == dst:
+        return u, src
+    f = _as_float32(u, src)
+    if dst == "float32":
+        return f.view(np.uint32), dst
+    out = f.astype(np.float16).view(np.uint16) if dst == "float16" else (f.view(np.uint32) >> 16).astype(np.uint16)
+    if not np.array_equal(_as_float32(out, dst).view(np.uint32), f.view(np.uint32)):
+        raise CheckpointError(f"{where}: the session's KV is {src} and does not fit {dst} exactly, the dtype "
+                              f"this host computes in (serve it with --dtype {src}, or keep it on such a host)")
+    return out, dst
 
 
 @contextlib.contextmanager

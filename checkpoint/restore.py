@@ -24,7 +24,7 @@ from ..session import Session, SessionState
 from . import codecs
 from .errors import CheckpointError, CheckpointModelError, OutOfMemoryError
 from .frames import GUEST, HEADER, KV, STATE, TRAILER, Frame, iter_frames, read_file_chunks
-from .mlxbits import mx_from_bits, oom
+from .mlxbits import cast_bits, mx_from_bits, np_kind, oom
 
 PAGE = 65536
 MAX_GUEST_BYTES = 4 << 30
@@ -139,6 +139,7 @@ class Restorer:
             raise CheckpointError(f"{where}: cache of {cache.get('layers')} layers of "
                                   f"{cache.get('class')!r} does not fit this model ({n} layers)")
         self.kv_heads, self.head_dim = lm.kv_heads, lm.head_dim
+        self.kv_dtype = lm.dtype  # float KV lands in the dtype this host computes in (cast_bits)
         self.context = int(lm.config.get("max_position_embeddings") or 4096)
         if (cache.get("kv_heads"), cache.get("head_dim")) != (self.kv_heads, self.head_dim):
             raise CheckpointError(f"{where}: KV of {cache.get('kv_heads')} heads x {cache.get('head_dim')} "
@@ -175,7 +176,8 @@ class Restorer:
                 meta = b.get("meta")
                 if not (isinstance(meta, list) and len(meta) == 4 and all(isinstance(x, int) for x in meta)):
                     raise CheckpointError(f"{where}: malformed rotating-cache meta state")
-                b = {**b, "_k": (k, b["keys"]["dtype"]), "_v": (v, b["values"]["dtype"])}
+                b = {**b, "_k": cast_bits(k, b["keys"]["dtype"], self.kv_dtype, f"{where} keys"),
+                     "_v": cast_bits(v, b["values"]["dtype"], self.kv_dtype, f"{where} values")}
             self.whole[i] = b
             return
         if cache["class"] == "QuantizedKVCache":
@@ -201,8 +203,10 @@ class Restorer:
             raise CheckpointError(f"{where}: token range {t0}..{t1} does not continue layer {i} "
                                   f"(it holds {c.offset} tokens)")
         self._admit(nbytes, where)  # before anything is decompressed
-        k = codecs.decode(b.get("keys"), f"{where} keys")
-        v = codecs.decode(b.get("values"), f"{where} values")
+        k, kd = cast_bits(codecs.decode(b.get("keys"), f"{where} keys"), b["keys"]["dtype"], self.kv_dtype,
+                          f"{where} keys")
+        v, vd = cast_bits(codecs.decode(b.get("values"), f"{where} values"), b["values"]["dtype"], self.kv_dtype,
+                          f"{where} values")
         for name, a in (("keys", k), ("values", v)):
             if a.ndim != 4 or a.shape[1] != heads or a.shape[2] != t1 - t0 or a.shape[3] != hd:
                 raise CheckpointError(f"{where}: {name} shape {list(a.shape)} does not fit "
@@ -212,12 +216,24 @@ class Restorer:
         import mlx.core as mx
 
         with oom(where), self.lock if pending is None else contextlib.nullcontext():
-            self._reserve(c, t1, k.shape, b["keys"]["dtype"], v.shape, b["values"]["dtype"], where)
-            c.update_and_fetch(mx_from_bits(k, b["keys"]["dtype"]), mx_from_bits(v, b["values"]["dtype"]))
-            if pending is None:
-                mx.eval(c.keys, c.values)
+            self._reserve(c, t1, k.shape, kd, v.shape, vd, where)
+            direct = pending is None and np_kind(c.keys.dtype) is not None
+            if direct:
+                mx.eval(c.keys, c.values)  # the room, allocated: written below without the lock
             else:
-                pending += [c.keys, c.values]
+                c.update_and_fetch(mx_from_bits(k, kd), mx_from_bits(v, vd))
+                if pending is None:
+                    mx.eval(c.keys, c.values)
+                else:
+                    pending += [c.keys, c.values]
+        if direct:
+            # numpy copies the range straight into the cache's buffer: one copy, no MLX
+            # op, and no hold of the compute lock (this session is not running yet)
+            for dst, src in ((c.keys, k), (c.values, v)):
+                view = np.array(dst, copy=False)
+                view.view(src.dtype)[..., t0:t1, :] = src
+                del view
+            c.offset = t1
         self.chunks[i].append((t0, t1, None))
 
     def _declared(self, blob: Any, where: str, tokens: int | None, packed: bool = False) -> int:

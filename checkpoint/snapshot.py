@@ -46,6 +46,7 @@ class Snapshotter:
         self.rate = 0.0  # live pre-copy: raw KV bytes per second at most (0 = unpaced)
         self._due = 0.0
         self.epoch = self.st.kv_epoch
+        self.busy = {"extract": 0.0, "encode": 0.0}  # seconds spent copying KV out, and framing it
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token occupies across all layers (sizes pre-copy chunks)."""
@@ -71,7 +72,7 @@ class Snapshotter:
             "format": 1, "kvferry": __version__,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "created_on": socket.gethostname(), "mode": self.mode,
-            "model": {"name": lm.name, "fingerprint": lm.fingerprint, "dtype": lm.dtype,
+            "model": {"name": lm.name, "fingerprint": lm.fingerprint, "dtype": lm.dtype, "weights": lm.weights,
                       "vocab_size": int(cfg["vocab_size"]), "layers": len(self.caches)},
             "guest": {"label": st.module.label, "sha256": st.module.sha256},
             "session": {"id": st.id, "context": st.context, "sampling": _plain(asdict(st.sampling)),
@@ -127,6 +128,7 @@ class Snapshotter:
                                     {"group_size": meta[0], "bits": meta[1]}))
                     del keys, values
                     j += 1
+                self.busy["extract"] += time.perf_counter() - start
             yield from out  # encoded outside the hold
 
     def _extract_np(self, pieces: list[tuple[int, int, int]], n: int, lock, budget: float) -> Iterator[tuple]:
@@ -168,6 +170,7 @@ class Snapshotter:
                     del keys, values, arr
                     out.append((i, a, b, sides[0], sides[1], None))
                     j += 1
+                self.busy["extract"] += time.perf_counter() - start
             yield from out
 
     def encode(self, extracted: Iterable[tuple], batch: bool = False) -> Iterator[bytes]:
@@ -176,19 +179,22 @@ class Snapshotter:
         per-frame costs would dominate)."""
         bodies = []
         for i, t0, n, k, v, meta in extracted:
+            began = time.perf_counter()
             raw = self.raw_kv_bytes
             body: dict[str, Any] = {"layer": i, "start": t0, "end": n}
-            if meta is None:
-                body["keys"] = self._enc(*k, role="keys")
-                body["values"] = self._enc(*v)
+            if meta is None:  # unless batched, framed before the next piece reuses k's and v's memory
+                body["keys"] = self._enc(*k, role="keys", borrow=not batch)
+                body["values"] = self._enc(*v, borrow=not batch)
             else:
                 body["keys"] = [self._enc(*x, exact=True) for x in k]
                 body["values"] = [self._enc(*x, exact=True) for x in v]
                 body["meta"] = meta
             if batch:
                 bodies.append(body)
+                self.busy["encode"] += time.perf_counter() - began
                 continue
             frame = self.w.frame(KV, body)
+            self.busy["encode"] += time.perf_counter() - began
             if self.rate:  # live pre-copy: a steady trickle leaves memory bandwidth to generation
                 now = time.perf_counter()
                 self._due = max(self._due, now) + (self.raw_kv_bytes - raw) / self.rate
@@ -201,9 +207,11 @@ class Snapshotter:
         """KV frames for tokens [sent_tokens, upto) of every layer (a delta)."""
         yield from self.encode(self.extract(upto), batch)
 
-    def _enc(self, u: np.ndarray, dtype: str, exact: bool = False, role: str = "values") -> dict:
+    def _enc(self, u: np.ndarray, dtype: str, exact: bool = False, role: str = "values",
+             borrow: bool = False) -> dict:
         self.raw_kv_bytes += u.nbytes
-        return codecs.encode(u, dtype, "lossless" if exact and self.mode != "raw" else self.mode, role)
+        return codecs.encode(u, dtype, "lossless" if exact and self.mode != "raw" else self.mode, role,
+                             borrow=borrow)
 
     def _blob(self, a, exact: bool = False, role: str = "values") -> dict:
         return self._enc(*mx_bits(a), exact=exact, role=role)

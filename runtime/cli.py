@@ -74,7 +74,8 @@ def cmd_demo(a) -> int:
     try:
         host = DemoHost.remote(str(path))
         info = ray.get(host.info.remote())
-        print(f"Ray actor pid {info['pid']}: weights {info['dtype']}, BLAS {info['blas']}, "
+        print(f"Ray actor pid {info['pid']}: on {info['device']['backend']}, weights {info['weights']}, "
+              f"KV {info['dtype']}, BLAS {info['blas']}, "
               f"conversation driven by the chat.wasm guest\n", flush=True)
         for q in DEMO_TURNS:
             print(f"user> {q}\nassistant> ", end="", flush=True)
@@ -113,7 +114,7 @@ def _host(a):
     options.validate(1 << 30)
     if a.guest and not os.path.exists(a.guest):
         raise KvferryError(f"guest file {a.guest} does not exist")
-    host = ModelHost(a.model, attn_cpu=a.attn_cpu)
+    host = ModelHost(a.model, dtype=a.dtype, attn_cpu=a.attn_cpu)
     return host, sampling, options
 
 
@@ -251,6 +252,9 @@ def gen_args(sp) -> None:
     sp.add_argument("--system", help="system message")
     sp.add_argument("--ctx", type=int, help="maximum context in tokens (rotating KV cache)")
     sp.add_argument("--prefill-step", type=int, default=OPTIONS.prefill_step, help="prompt chunk size (llama.cpp -b)")
+    from .cli_remote import dtype_arg
+
+    dtype_arg(sp)
     sp.add_argument("--kv-bits", type=int, help="quantize the KV cache (2, 3, 4, 5, 6, 8)")
     sp.add_argument("--attn-cpu", type=float, default=0.0,
                     help="fraction of layers whose attention runs on the CPU stream (GPU machines)")

@@ -103,7 +103,8 @@ def cmd_serve(a) -> int:
           client_tls=_tls(a, "peer_tls"), ready=ready, report=report,
           max_kv_bytes=int(a.max_kv_mb * 1e6) if a.max_kv_mb else None, advertise=a.advertise,
           peers=peers, drain_dir=a.drain_dir or "", drain_timeout=a.drain_timeout, tokens_file=a.tokens,
-          policy=policy, http_port=a.http_port, metrics_public=a.metrics_public, log_format=a.log_format)
+          policy=policy, http_port=a.http_port, metrics_public=a.metrics_public, log_format=a.log_format,
+          dtype=a.dtype)
     return 0
 
 
@@ -160,13 +161,23 @@ def cmd_migrate(a) -> int:
     bar.close()
     out = {"session": a.session, "target": m.target, "bytes": m.bytes, "seconds": round(m.seconds, 4),
            "raw_kv_bytes": m.raw_kv_bytes, "ratio": round(m.ratio, 3), "tokens": m.tokens,
-           "pause_ms": round(m.pause_ms, 2), "live": not a.stop_copy, "mode": m.mode}
+           "pause_ms": round(m.pause_ms, 2), "live": not a.stop_copy, "mode": m.mode,
+           "transfer_mb_s": m.transfer_mb_s, "phases_ms": m.phases_ms}
     if a.json:
         print_json(out)
     else:
         print(f"migrated {a.session} to {m.target}: {m.bytes} bytes in {m.seconds * 1000:.1f} ms "
               f"({m.tokens} tokens, KV ratio {m.ratio:.2f})")
     return 0
+
+
+def dtype_arg(sp):
+    from .models import DTYPES
+
+    sp.add_argument("--dtype", choices=DTYPES, default="auto",
+                    help="weights and KV: auto follows the device (CPU: float32 with the optimized BLAS; "
+                         "GPU: quantized weights kept, float16 activations and KV); quantized keeps them on a "
+                         "CPU too; native loads the model as stored")
 
 
 def tls_args(sp, prefix="tls", what="server"):
@@ -246,6 +257,7 @@ def register(sub, add: Callable) -> None:
                     "-t; default: all cores). Give each host its share when several share a machine")
     sv.add_argument("--cpus", metavar="LIST", help="run the host on these CPUs only, e.g. 0-3 (like llama.cpp "
                     "--cpu-range; Linux). Hosts sharing a machine then do not slow each other's steps")
+    dtype_arg(sv)
     sv.add_argument("--max-kv-mb", type=float, help="KV cache memory this host may hold; restores and "
                     "incoming migrations beyond it are refused (default: half the machine's memory)")
     tls_args(sv)

@@ -153,7 +153,8 @@ class SessionHost:
 
     def info(self) -> dict:
         return {"address": self.srv.address, "model": self.host.lm.name, "pid": os.getpid(),
-                "sessions": list(self.host.sessions), "blas": blas.status()["kind"]}
+                "sessions": list(self.host.sessions), "blas": blas.status()["kind"],
+                "device": self.host.device.as_dict(), "dtype": self.host.lm.dtype}
 
     def restored(self) -> list[dict]:
         return self.srv.restored
@@ -189,7 +190,8 @@ class DemoHost:
         warmup(self.lm)
 
     def info(self) -> dict:
-        return {"model": self.lm.name, "dtype": self.lm.dtype, "blas": blas.status()["kind"], "pid": os.getpid()}
+        return {"model": self.lm.name, "dtype": self.lm.dtype, "weights": self.lm.weights,
+                "device": self.host.device.as_dict(), "blas": blas.status()["kind"], "pid": os.getpid()}
 
     def chat(self, text: str, max_tokens: int = 128, temp: float = 0.0, seed: int = 0) -> Iterator[dict]:
         """One user turn of the actor's conversation, driven by the chat guest."""

@@ -17,6 +17,7 @@ from .errors import ConfigError, GuestError, HostFullError, SessionExistsError, 
 from .guest import GuestEngine, GuestModule
 from .guests import GUESTS_DIR
 from .metrics import HostMetrics
+from .device import current
 from .models import LoadedModel, load
 from .params import SamplingParams, SessionOptions
 from .policy import HostPolicy
@@ -46,7 +47,7 @@ def apply_placement(model, attn_cpu: float) -> dict:
         raise ConfigError(f"--attn-cpu {attn_cpu}: must be a fraction in [0, 1]")
     layers = model.layers
     n = round(attn_cpu * len(layers))
-    has_gpu = mx.default_device() == mx.gpu
+    has_gpu = current().is_gpu
     report = {"attn_cpu": attn_cpu, "layers": len(layers), "attention_layers_on_cpu": n,
               "gpu": has_gpu, "active": bool(has_gpu and n)}
     if not has_gpu:
@@ -106,6 +107,7 @@ class ModelHost:
                  lm: LoadedModel | None = None, progress: bool = True, max_kv_bytes: int | None = None,
                  policy: HostPolicy | None = None):
         self.lm = lm or load(model, dtype=dtype, progress=progress)
+        self.device = current()
         self.policy = policy or HostPolicy()
         self.placement = apply_placement(self.lm.model, attn_cpu)
         _ = self.lm.fingerprint  # hash the model files now, not in the middle of a migration

@@ -128,7 +128,9 @@ class HttpFront:
         return web.json_response(h.body(), status=h.status, headers=h.headers)
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "draining" if self.srv.draining else "ok"},
+        h = self.srv.host
+        return web.json_response({"status": "draining" if self.srv.draining else "ok", "device": str(h.device),
+                                  "dtype": h.lm.dtype, "weights": h.lm.weights},
                                  status=503 if self.srv.draining else 200)
 
     async def metrics(self, request: web.Request) -> web.Response:

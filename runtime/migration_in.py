@@ -28,6 +28,7 @@ class Incoming:
     decoder: FrameDecoder = field(default_factory=FrameDecoder)
     next_seq: int = 0
     prepared: Any = None
+    land_s: float = 0.0  # verifying and applying frames
     touched: float = field(default_factory=time.monotonic)  # last message: a live migration may run long
 
 
@@ -110,14 +111,18 @@ class MigrationTarget(pbg.MigrationServicer):
                         continue  # a resend after reconnect: already verified
                     if f.seq > inc.next_seq:
                         raise KvferryError(f"frame {f.seq} arrived, expected {inc.next_seq}")
+                    began = time.perf_counter()
                     for fr in inc.decoder.feed(f.data):
                         inc.restorer.apply(fr)
+                    landed = time.perf_counter()
+                    inc.land_s += landed - began
                     inc.next_seq += 1
                     unacked += len(f.data)
                     if inc.decoder.done and inc.prepared is None:
                         inc.prepared = inc.restorer.commit()
-                        yield pb.MigrationAck(state="restored", next_seq=inc.next_seq,
-                                              session_id=inc.session_id)
+                        yield pb.MigrationAck(state="restored", next_seq=inc.next_seq, session_id=inc.session_id,
+                                              phases_ms={"land": inc.land_s * 1e3,
+                                                         "prepare": (time.perf_counter() - landed) * 1e3})
                     elif inc.next_seq - acked_seq >= ACK_EVERY_FRAMES or unacked >= ACK_EVERY_BYTES:
                         # coalesced acks (below the source's window, so it never starves)
                         yield pb.MigrationAck(state="ack", next_seq=inc.next_seq, session_id=inc.session_id)

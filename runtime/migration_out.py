@@ -62,6 +62,8 @@ class MigrationTicket:
     fenced: bool = False  # a commit in doubt: the session waits, paused, for the target's answer
     allow_lossy: bool = False  # mode auto may pick int8
     choice: Any = None  # mode auto: what it measured and chose (kvferry.linkaware.Choice)
+    phases_ms: dict = field(default_factory=dict)  # where the migration's time went (MigrateProgress)
+    transfer_mb_s: float = 0.0
 
 
 class InDoubt(Exception):
@@ -134,10 +136,13 @@ class MigrationSource:
                     if len(s.history) - sn.sent_tokens < t.final_delta:
                         break
             sn.rate = 0.0
+            t_wait = time.perf_counter()
             pause = self.pause(sid, slot)  # stop-and-copy, or the live final stage
             t_pause = time.perf_counter()
-            link.send(list(sn.finish()))
+            link.send(sn.finish())  # streamed: the target verifies and lands while we encode
+            t_sent = time.perf_counter()
             link.wait_restored()
+            t_restored = time.perf_counter()
             try:
                 link.commit()
             except InDoubt:
@@ -147,6 +152,14 @@ class MigrationSource:
                 raise MigrationError(f"migration to {t.target}: the commit's answer was lost; the session "
                                      "stays paused here until the target says whether it committed") from None
             t.pause_ms = (time.perf_counter() - t_pause) * 1000
+            t.phases_ms = {"extract": sn.busy["extract"] * 1e3, "encode": sn.busy["encode"] * 1e3,
+                           "wire": link.waited * 1e3, **link.target_phases,
+                           "pause_wait": (t_pause - t_wait) * 1e3, "final": (t_sent - t_pause) * 1e3,
+                           "restored": (t_restored - t_sent) * 1e3,
+                           "commit": t.pause_ms - (t_restored - t_pause) * 1e3}
+            if not t.live or not sn.incremental:  # the whole KV went while the session was held: its rate
+                t.phases_ms["transfer"] = (t_restored - t_pause) * 1e3
+                t.transfer_mb_s = sn.raw_kv_bytes / 1e6 / max(t_restored - t_pause, 1e-9)
             m.migrations.labels("committed").inc()
             m.pause.observe(t.pause_ms / 1000)
             log.info("session %s moved to %s (pause %.1f ms)", sid, t.target, t.pause_ms)
@@ -176,7 +189,8 @@ class MigrationSource:
         t.progress.put(pb.MigrateProgress(bytes_sent=link.bytes, frames_sent=len(link.frames),
                                           frames_total=len(link.frames), done=True, target=t.target,
                                           seconds=time.perf_counter() - t0, raw_kv_bytes=sn.raw_kv_bytes,
-                                          tokens=len(s.history), pause_ms=t.pause_ms, mode=sn.mode))
+                                          tokens=len(s.history), pause_ms=t.pause_ms, mode=sn.mode,
+                                          phases_ms=t.phases_ms, transfer_mb_s=t.transfer_mb_s))
 
     def _probe_link(self, s: Any, sn: Snapshotter, link: "_Link", t: MigrationTicket, chunk: int) -> Any:
         """Mode auto: send the first KV raw and unpaced, time the link by the target's
@@ -255,6 +269,8 @@ class _Link:
         self.acked = 0
         self.ack_times: list[tuple[float, int]] = []  # (when, bytes acknowledged): the link's rate
         self.state = ""
+        self.waited = 0.0  # seconds blocked on acks: the wire and the target
+        self.target_phases: dict[str, float] = {}  # the target's land/prepare ms (its "restored" ack)
         self.reqs: "queue.Queue[Any] | None" = None
         self.acks = None
         self.ch = None
@@ -286,6 +302,7 @@ class _Link:
     def _next_ack(self) -> None:
         """Read one ack. On a dropped link, reconnect instead: the target's answer to
         the new Begin (its last verified frame, or that it already committed) counts."""
+        began = time.perf_counter()
         try:
             ack = next(self.acks)
         except StopIteration:
@@ -295,9 +312,13 @@ class _Link:
                 raise
             self._reconnect()
             return
+        finally:
+            self.waited += time.perf_counter() - began
         for seq in range(self.acked, min(ack.next_seq, len(self.frames))):
             self.frames[seq] = b""  # verified by the target: never resent, so not kept
         self.acked, self.state = max(self.acked, ack.next_seq), ack.state
+        if ack.phases_ms:
+            self.target_phases = dict(ack.phases_ms)
         self.ack_times.append((time.perf_counter(), self.ends[self.acked - 1] if self.acked else 0))
         if self.on_ack is not None:
             self.on_ack()

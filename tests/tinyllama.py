@@ -75,7 +75,8 @@ _TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_nor
 
 def write_tiny_gguf(path: Path, *, qtype: str = "F32", seed: int = 0, arch: str = "llama",
                     permute: bool = True, heads: int = 4, kv_heads: int = 2, layers: int = 2,
-                    raw_types: dict | None = None, weights: dict | None = None) -> dict[str, np.ndarray]:
+                    raw_types: dict | None = None, weights: dict | None = None,
+                    context: int = 512) -> dict[str, np.ndarray]:
     """Write the tiny llama to ``path``; returns its HF-layout float weights."""
     tokens, merges, types = tiny_vocab()
     hf = weights or hf_weights(seed, heads=heads, kv_heads=kv_heads, layers=layers, vocab=len(tokens))
@@ -96,7 +97,7 @@ def write_tiny_gguf(path: Path, *, qtype: str = "F32", seed: int = 0, arch: str 
         tensors[g] = (arr, qtype if arr.ndim == 2 else "F32")
     meta = {
         "general.architecture": arch, "general.name": "tiny-llama",
-        f"{arch}.block_count": layers, f"{arch}.context_length": 512,
+        f"{arch}.block_count": layers, f"{arch}.context_length": context,
         f"{arch}.embedding_length": hidden,
         f"{arch}.feed_forward_length": hf["model.layers.0.mlp.up_proj.weight"].shape[0],
         f"{arch}.attention.head_count": heads, f"{arch}.attention.head_count_kv": kv_heads,

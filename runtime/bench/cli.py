@@ -68,20 +68,18 @@ def cmd_bench_fuzz(a) -> int:
 
 
 def cmd_bench_migrate(a) -> int:
-    from .migrate import plot, run
+    from .migrate import plot, run, table
 
     if a.reps < 1:
         raise KvferryError(f"--reps must be at least 1, not {a.reps}")
     r = run(tuple(a.contexts), a.generate, threads=a.threads or None, pin=a.pin, reps=a.reps,
-            progress=(lambda m: print(m, file=sys.stderr)))
-    if a.plot:
+            progress=(lambda m: print(m, file=sys.stderr)), transfer_only=a.transfer_only)
+    if a.plot and r["rows"]:
         plot(r, a.plot)
     if a.json:
         print_json(r)
     else:
-        for row in r["rows"]:
-            print(row)
-        print(r["targets"])
+        print(table(r))
     return 0
 
 
@@ -211,6 +209,8 @@ def register(sub, add: Callable) -> None:
                          "(default: both share every CPU)")
     bm.add_argument("--reps", type=int, default=5,
                     help="migrations per context and mode; each row is the median one, every rep listed")
+    bm.add_argument("--transfer-only", action="store_true",
+                    help="only the raw transfer of an idle session (and re-prefill), no generating migrations")
     bm.add_argument("--plot", help="write a PNG figure (needs matplotlib)")
     bm.add_argument("--json", action="store_true")
     bz = add(b, "zero-copy", cmd_bench_zero_copy,

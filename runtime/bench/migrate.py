@@ -67,7 +67,8 @@ def split_cpus() -> tuple[str, str] | None:
 
 
 def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrate_after: int = 8,
-        threads: int | None = 1, pin: bool = False, reps: int = 5, progress=print) -> dict:
+        threads: int | None = 1, pin: bool = False, reps: int = 5, progress=print,
+        transfer_only: bool = False) -> dict:
     """``threads``: BLAS threads per host (``serve --threads``): both hosts share this
     machine, so each gets its share of the cores; None = the BLAS default (all).
     ``pin``: each host on its own half of the CPUs (``serve --cpus``).
@@ -81,7 +82,7 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
     pa, pb = free_port(), free_port()  # each names the other as its peer (migrations go to peers only)
     a = _host(token, threads, cpus and cpus[0], pa, pb)
     b = _host(token, threads, cpus and cpus[1], pb, pa)
-    rows = []
+    rows, transfers = [], []
     try:
         ca, cb = Client(a.address, token), Client(b.address, token)
         with tempfile.TemporaryDirectory() as d:
@@ -100,7 +101,10 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
                 reprefill_ms = (time.perf_counter() - t) * 1000
                 rp.close()
                 progress(f"context {n_ctx} tokens: re-prefill {reprefill_ms:.0f} ms")
-                for live in (True, False):
+                transfers.append(transfer(a, b, token, ck, f"x{ctx}", n_ctx, reps))
+                progress(f"  raw transfer (idle session, stop-copy): {transfers[-1]['transfer_mb_s']} MB/s "
+                         f"(reps {transfers[-1]['transfer_mb_s_reps']}), phases {transfers[-1]['phases_ms']}")
+                for live in (() if transfer_only else (True, False)):
                     runs = []
                     for r in range(reps):
                         runs.append(_one(a, b, token, ck, f"m{ctx}{'l' if live else 's'}{r}", live, n_ctx,
@@ -117,7 +121,37 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
     finally:
         a.stop()
         b.stop()
-    return {"rows": rows, "targets": _targets(rows)}
+    from ..device import current
+
+    return {"device": current().as_dict(), "rows": rows, "transfers": transfers,
+            "targets": _targets(rows, transfers)}
+
+
+def transfer(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, n_ctx: int, reps: int) -> dict:
+    """Raw KV transfer: a restored session not generating, moved stop-and-copy in
+    raw mode, ``reps`` times (A to B and back); the median rep by MB/s, each rep's
+    figure listed. The rate is the KV's raw bytes over the time from the pause to
+    the target's verified, landed restore (extract, encode, wire, land overlap)."""
+    from ..sdk import Client
+
+    runs = []
+    src, dst = a, b
+    s = Client(a.address, token).restore(ck, session_id=sid)
+    try:
+        for _ in range(reps):
+            m = Client(src.address, token).session(sid).migrate(to=dst.address, live=False, mode="raw")
+            runs.append({"transfer_mb_s": m.transfer_mb_s, "raw_kv_bytes": m.raw_kv_bytes,
+                         "total_ms": round(m.seconds * 1000, 1), "phases_ms": m.phases_ms})
+            src, dst = dst, src
+    finally:
+        try:
+            Client(src.address, token).session(sid).close()
+        except Exception:
+            pass
+    del s
+    row = dict(sorted(runs, key=lambda r: r["transfer_mb_s"])[(len(runs) - 1) // 2])
+    row.update(context=n_ctx, reps=len(runs), transfer_mb_s_reps=[r["transfer_mb_s"] for r in runs])
+    return row
 
 
 def _one(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, live: bool, n_ctx: int, reprefill_ms: float,
@@ -180,7 +214,8 @@ def _one(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, live:
                 "normal_gap_ms": round(normal * 1000, 1),
                 "twin_worst_gap_over_median_ms": round((max(tw) - statistics.median(tg)) * 1000, 1) if tw else None,
                 "total_ms": round(mig.seconds * 1000, 1), "pause_ms": round(mig.pause_ms, 1),
-                "bytes": mig.bytes, "raw_kv_bytes": mig.raw_kv_bytes,
+                "bytes": mig.bytes, "raw_kv_bytes": mig.raw_kv_bytes, "phases_ms": mig.phases_ms,
+                "transfer_mb_s": mig.transfer_mb_s,
                 "reprefill_ms": round(reprefill_ms, 1), "identical": got == ref and len(got) > 0,
                 "mid_reply": bool(handoff), "tokens": len(got),
                 "gaps_ms": [round(g * 1000) for g in gaps], "migration_started_at": idx,
@@ -213,7 +248,7 @@ def aggregate(runs: list[dict]) -> dict:
     return row
 
 
-def _targets(rows: list[dict]) -> dict:
+def _targets(rows: list[dict], transfers: list[dict] = ()) -> dict:
     live = {r["context"]: r for r in rows if r["mode"] == "live"}
     stop = {r["context"]: r for r in rows if r["mode"] == "stop-copy"}
     out = {"identical_everywhere": all(r["identical"] for r in rows),
@@ -229,7 +264,29 @@ def _targets(rows: list[dict]) -> dict:
     if mid:
         r = stop[mid[0]]
         out["stop_copy_total_over_reprefill_at_2048"] = round(r["total_ms"] / r["reprefill_ms"], 4)
+    if transfers:
+        out["transfer_mb_s_min"] = min(t["transfer_mb_s"] for t in transfers)
     return out
+
+
+def table(r: dict) -> str:
+    """The human-readable form of :func:`run`'s result."""
+    out = [f"device: {r['device']['backend']} ({r['device']['name']})", "",
+           f"{'context':>8} {'raw transfer MB/s':>18} {'extract':>8} {'encode':>8} {'wire':>8} {'land':>8} "
+           f"{'total ms':>9}"]
+    for t in r["transfers"]:
+        p = t["phases_ms"]
+        out.append(f"{t['context']:>8} {t['transfer_mb_s']:>18} {p.get('extract', 0):>8.1f} {p.get('encode', 0):>8.1f} "
+                   f"{p.get('wire', 0):>8.1f} {p.get('land', 0):>8.1f} {t['total_ms']:>9}")
+    if r["rows"]:
+        out += ["", f"{'context':>8} {'mode':>9} {'downtime ms':>12} {'worst rep':>10} {'handoff':>8} "
+                    f"{'total ms':>9} {'re-prefill ms':>14} {'identical':>9}"]
+        for x in r["rows"]:
+            out.append(f"{x['context']:>8} {x['mode']:>9} {x['downtime_ms']:>12} {x['downtime_ms_worst_rep']:>10} "
+                       f"{x['handoff_over_normal_ms']!s:>8} {x['total_ms']:>9} {x['reprefill_ms']:>14} "
+                       f"{x['identical']!s:>9}")
+    out += ["", "targets: " + ", ".join(f"{k} {v}" for k, v in r["targets"].items())]
+    return "\n".join(out)
 
 
 def plot(result: dict, path: str | Path) -> None:

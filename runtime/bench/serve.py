@@ -16,6 +16,7 @@ import secrets
 import threading
 import time
 
+from ..device import current
 from .loopback import LoopbackHost
 
 TOPICS = ["rivers", "mountains", "ferries", "lighthouses", "bridges", "islands", "harbours", "storms"]
@@ -152,14 +153,8 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
         p["speedup_over_one"] = round(p["aggregate_tps"] / one, 2) if one else None
         p["ratio_to_mlx_lm"] = round(p["aggregate_tps"] / p["mlx_lm_tps"], 3) if p["mlx_lm_tps"] else None
     return {"model": lm.name, "tokens_per_turn": tokens, "points": points, "long_prompt": long,
-            "consistency": agree, "batching": True, "device": _device(),
+            "consistency": agree, "batching": True, "device": current().as_dict(),
             **({"http_vs_grpc": http_vs_grpc} if http else {})}
-
-
-def _device() -> str:
-    import mlx.core as mx
-
-    return "gpu" if mx.default_device() == mx.gpu else "cpu"
 
 
 def plot(r: dict, path: str) -> None:

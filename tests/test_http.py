@@ -164,7 +164,8 @@ def metric(url: str, name: str) -> float:
 
 def test_health_and_metrics(hosts, oai):
     base = http_of(hosts[0]).rsplit("/v1", 1)[0]
-    assert requests.get(base + "/health", timeout=10).json() == {"status": "ok"}
+    health = requests.get(base + "/health", timeout=10).json()
+    assert health["status"] == "ok" and health["device"].startswith("cpu") and health["dtype"] == "float32"
     assert requests.get(base + "/metrics", timeout=10).status_code == 401
     before = metric(base, "kvferry_generated_tokens_total")
     oai.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=5, extra_body={"ignore_eos": True})

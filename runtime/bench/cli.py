@@ -73,13 +73,25 @@ def cmd_bench_migrate(a) -> int:
     if a.reps < 1:
         raise KvferryError(f"--reps must be at least 1, not {a.reps}")
     r = run(tuple(a.contexts), a.generate, threads=a.threads or None, pin=a.pin, reps=a.reps,
-            progress=(lambda m: print(m, file=sys.stderr)), transfer_only=a.transfer_only)
+            progress=(lambda m: print(m, file=sys.stderr)), transfer_only=a.transfer_only, model=a.model)
     if a.plot and r["rows"]:
         plot(r, a.plot)
     if a.json:
         print_json(r)
     else:
         print(table(r))
+    return 0
+
+
+def cmd_bench_shape(a) -> int:
+    from .shape import build
+
+    r = build(a.shape, a.name, force=a.force)
+    if a.json:
+        print_json(r)
+    else:
+        print(f"{'built' if r['built'] else 'already here'}: {r['name']} ({r['parameters'] / 1e9:.2f} B parameters) "
+              f"at {r['path']}; use it with --model {r['name']}")
     return 0
 
 
@@ -209,10 +221,17 @@ def register(sub, add: Callable) -> None:
                          "(default: both share every CPU)")
     bm.add_argument("--reps", type=int, default=5,
                     help="migrations per context and mode; each row is the median one, every rep listed")
+    bm.add_argument("--model", help="model name or directory (default: SmolLM2-135M-Instruct); e.g. one from "
+                    "kvferry bench shape")
     bm.add_argument("--transfer-only", action="store_true",
                     help="only the raw transfer of an idle session (and re-prefill), no generating migrations")
     bm.add_argument("--plot", help="write a PNG figure (needs matplotlib)")
     bm.add_argument("--json", action="store_true")
+    bh = add(b, "shape", cmd_bench_shape, "install a random-weight model of a real model's dimensions (for timing)")
+    bh.add_argument("shape", choices=["llama-3.2-1b"])
+    bh.add_argument("--name", help="its name in the model store (default: SHAPE-random)")
+    bh.add_argument("--force", action="store_true", help="build it again")
+    bh.add_argument("--json", action="store_true")
     bz = add(b, "zero-copy", cmd_bench_zero_copy,
              "guest memory exposed to MLX in place vs copied (the seed's table)")
     bz.add_argument("--n", type=int, default=128, help="GEMM size (n x n)")

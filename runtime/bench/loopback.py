@@ -27,13 +27,15 @@ class LoopbackHost:
                                      env={**os.environ, "KVFERRY_TOKEN": token}, start_new_session=True)
         self.address = f"127.0.0.1:{self.port}"
         self.http = None  # http://HOST:PORT/v1 with --http-port
+        seen: list[str] = []
         for line in self.proc.stdout:
             if "kvferry serving on" in line:
                 if "OpenAI API on " in line:
                     self.http = line.split("OpenAI API on ")[1].split(")")[0]
                 break
+            seen = (seen + [line.rstrip()])[-3:]
         else:
-            raise RuntimeError("kvferry serve did not start")
+            raise RuntimeError("kvferry serve did not start: " + (" | ".join(seen) or "no output"))
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
 
     def stop(self) -> None:

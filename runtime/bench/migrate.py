@@ -38,18 +38,19 @@ FILLER = ("The lighthouse keeper wrote in his log every night: the weather, the 
           "and the small repairs the tower needed. ")
 
 
-def _host(token: str, threads: int | None, cpus: str | None, port: int, peer_port: int) -> LoopbackHost:
-    return LoopbackHost(token, *(["--threads", str(threads)] if threads else []),
+def _host(token: str, threads: int | None, cpus: str | None, port: int, peer_port: int,
+          model: str | None = None) -> LoopbackHost:
+    return LoopbackHost(token, *(["--threads", str(threads)] if threads else []), *(["--model", model] if model else []),
                         *(["--cpus", cpus] if cpus else []), "--peers", f"127.0.0.1:{peer_port}", port=port)
 
 
-def _prompt(tokens: int, limit: int) -> str:
-    """Text of about ``tokens`` tokens (never past ``limit``) for the default model."""
+def _prompt(tokens: int, limit: int, model: str | None = None) -> str:
+    """Text of about ``tokens`` tokens (never past ``limit``) for ``model``'s tokenizer."""
     from transformers import AutoTokenizer
 
     from ..models import resolve
 
-    tok = AutoTokenizer.from_pretrained(str(resolve(None, progress=False)))
+    tok = AutoTokenizer.from_pretrained(str(resolve(model, progress=False)))
     ids = tok.encode(FILLER * (tokens // 20 + 1), add_special_tokens=False)[:min(tokens, limit)]
     return "Read this log and continue it.\n" + tok.decode(ids)
 
@@ -68,7 +69,7 @@ def split_cpus() -> tuple[str, str] | None:
 
 def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrate_after: int = 8,
         threads: int | None = 1, pin: bool = False, reps: int = 5, progress=print,
-        transfer_only: bool = False) -> dict:
+        transfer_only: bool = False, model: str | None = None) -> dict:
     """``threads``: BLAS threads per host (``serve --threads``): both hosts share this
     machine, so each gets its share of the cores; None = the BLAS default (all).
     ``pin``: each host on its own half of the CPUs (``serve --cpus``).
@@ -80,14 +81,14 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
     token = secrets.token_urlsafe(16)
     cpus = split_cpus() if pin else None
     pa, pb = free_port(), free_port()  # each names the other as its peer (migrations go to peers only)
-    a = _host(token, threads, cpus and cpus[0], pa, pb)
-    b = _host(token, threads, cpus and cpus[1], pb, pa)
+    a = _host(token, threads, cpus and cpus[0], pa, pb, model)
+    b = _host(token, threads, cpus and cpus[1], pb, pa, model)
     rows, transfers = [], []
     try:
         ca, cb = Client(a.address, token), Client(b.address, token)
         with tempfile.TemporaryDirectory() as d:
             for ctx in contexts:
-                prompt = _prompt(ctx, 8192 - generate - 96)
+                prompt = _prompt(ctx, 8192 - generate - 96, model)
                 base = ca.create_session(max_tokens=generate, ignore_eos=True)
                 list(base.send(prompt, max_tokens=16))
                 n_ctx = base.info()["tokens"]

@@ -15,6 +15,14 @@ The guests keep the control plane and ABI v1 is unchanged: a guest's
 ``kv_decode`` hands its token to this scheduler and waits for the step; its
 ``kv_logits`` then reads its own row. A step waits for guests still sampling at
 most ``guest_step_ms``: a slow guest misses steps, it never holds one up.
+
+**Speculation** (on a GPU by default): while the guests of a decode step sample,
+the accelerator already runs the next step on each row's greedy token (as
+mlx-lm's ``generate_step`` overlaps step n+1 with step n). A guest that picks
+that token finds its logits computed; one that picks another costs a step
+computed again. Only rows whose sessions sample greedily are speculated, so a
+greedy reply is the same tokens either way. The speculative K/V sit one past
+each cache's offset, where the next write lands anyway: nothing to undo.
 """
 
 from __future__ import annotations
@@ -175,6 +183,20 @@ def install(model) -> bool:
 SHORT_PROMPT = 64  # prompt tokens a step prefills whole even beside decodes (a newcomer's turn)
 
 
+class _Guess:
+    """A speculated next step of one session: valid while its cache is where it was."""
+    __slots__ = ("token", "logits", "offset", "epoch", "n")
+
+    def __init__(self, token: int, logits: Any, session: Any) -> None:
+        self.token, self.logits = token, logits
+        self.offset, self.epoch, self.n = session.cache[0].offset, session.kv_epoch, len(session.history)
+
+    def holds(self, session: Any, token: int) -> bool:
+        return (token == self.token and not session.closed and session.cache
+                and session.cache[0].offset == self.offset and session.kv_epoch == self.epoch
+                and len(session.history) == self.n)
+
+
 class _Request:
     """Tokens a session needs run: a prompt (prefilled in chunks, its last token
     decoded in a batch) or one token to decode. Done when its logits are known."""
@@ -189,8 +211,11 @@ class _Request:
 class StepScheduler:
     """The step loop of one host (one thread). See the module docstring."""
 
-    def __init__(self, host: Any, *, max_batch: int, guest_step_ms: float, step_tokens: int = 0) -> None:
+    def __init__(self, host: Any, *, max_batch: int, guest_step_ms: float, step_tokens: int = 0,
+                 speculate: bool = False) -> None:
         self.host = host
+        self.speculate = speculate
+        self.guesses: dict[Any, _Guess] = {}  # session -> its speculated next step (scheduler thread only)
         self.max_batch = max_batch
         self.gather_s = guest_step_ms / 1000
         self.step_tokens = step_tokens  # prompt tokens a step may add next to decodes (0: adaptive)
@@ -206,7 +231,8 @@ class StepScheduler:
         self._tokens = 16  # prompt tokens beside decodes, steered by _account
         self._late = False
         self.stats = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch_seen": 0,
-                      "forward_s": 0.0}  # time in forward passes (the rest: guests and waiting)
+                      "forward_s": 0.0,  # time in forward passes (the rest: guests and waiting)
+                      "speculated": 0, "speculation_hits": 0}
         self.last_rows = 0  # rows of the last decode step (a gauge)
         self.thread = threading.Thread(target=self._run, daemon=True, name="kvferry-steps")
         self.thread.start()
@@ -231,6 +257,7 @@ class StepScheduler:
 
     def leave(self, session: Any) -> None:
         """``session`` has no token coming this step (its turn ended or paused)."""
+        self.guesses.pop(session, None)  # nor the guessed one: drop it (and the cache it holds)
         with self.cv:
             if session in self.expect:
                 self.expect.discard(session)
@@ -309,11 +336,12 @@ class StepScheduler:
             try:
                 with self.host.compute:
                     rows, plan = self._open_only(rows, plan)
-                    logits = self._forward(rows, plan)
+                    logits = self._step(rows, plan)
                     for r in rows:  # the history moves with the cache, under the compute lock
                         r.session.history.append(r.tokens[-1])  # (pre-copy reads both)
                     for req, chunk in plan:
                         req.session.history.extend(chunk)
+                    self._guess(rows, plan, logits)
             except Exception as e:  # noqa: BLE001 - the sessions of this step hear it, the loop goes on
                 err = e if isinstance(e, SessionError) else SessionError(f"model step failed: {e}")
                 self._fail(rows + [req for req, _ in plan], err)
@@ -346,8 +374,58 @@ class StepScheduler:
         self._fail(closed, SessionError("the session was closed during its step"))
         return [r for r in rows if r not in closed], [(r, c) for r, c in plan if r not in closed]
 
-    def _forward(self, rows: list[_Request], plan: list):
-        """One step's model work; returns each decode row's logits, evaluated."""
+    def _step(self, rows: list[_Request], plan: list) -> list:
+        """This step's logits per decode row: a row whose token was guessed takes the
+        speculated step's (its K/V already sit at its cache's offset); the others,
+        and the prompt chunks, run a forward pass."""
+        import mlx.core as mx
+
+        if not self.guesses:
+            return self._forward(rows, plan)
+        hit = {}
+        for r in rows:
+            g = self.guesses.pop(r.session, None)
+            if g is not None and g.holds(r.session, r.tokens[-1]):
+                hit[r] = g
+        self.guesses.clear()  # a guess not taken now never will be
+        if not hit:
+            return self._forward(rows, plan)
+        for r in hit:
+            for c in r.session.cache:
+                c.offset += 1
+        self.stats["speculation_hits"] += len(hit)
+        rest = iter(self._forward([r for r in rows if r not in hit], plan))
+        out = [hit[r].logits if r in hit else next(rest) for r in rows]
+        mx.eval(out)
+        return out
+
+    def _guess(self, rows: list[_Request], plan: list, logits: list) -> None:
+        """Start the next step on each row's greedy token, not waited for: it runs on
+        the accelerator while the guests sample (see the module docstring)."""
+        from mlx_lm.models.cache import KVCache
+
+        if not (self.speculate and rows and not plan and all(
+                r.session.sampling.temperature == 0 and r.session.cache
+                and all(type(c) is KVCache for c in r.session.cache) for r in rows)):
+            return
+        guess = self._greedy(logits)
+        fake = [_Request(r.session, [t]) for r, t in zip(rows, guess)]
+        nxt = self._forward(fake, [], wait=False)
+        for r, t, lo in zip(rows, guess, nxt):
+            for c in r.session.cache:
+                c.offset -= 1  # the guess's K/V stay one past the offset until it is taken
+            self.guesses[r.session] = _Guess(t, lo, r.session)
+        self.stats["speculated"] += len(rows)
+
+    @staticmethod
+    def _greedy(logits: list) -> list[int]:
+        import mlx.core as mx
+
+        return mx.argmax(mx.stack(logits), axis=-1).tolist()
+
+    def _forward(self, rows: list[_Request], plan: list, wait: bool = True):
+        """One step's model work; returns each decode row's logits, evaluated (with
+        ``wait`` False: scheduled, still running)."""
         import mlx.core as mx
 
         model = self.host.lm.model
@@ -370,6 +448,9 @@ class StepScheduler:
         for req, chunk in plan:
             model(mx.array(chunk, dtype=mx.int32)[None], cache=req.session.cache)
             out.extend(c.state for c in req.session.cache)
+        if not wait:
+            mx.async_eval(out + [c.state for r in rows for c in r.session.cache])
+            return logits
         mx.eval(out)
         return logits
 

@@ -115,6 +115,8 @@ class SessionHost:
                               policy=HostPolicy(**(policy or {})))
         warmup(self.host.lm)
         self.host.preload()
+        if self.host.device.is_gpu:  # a CPU has no kernels to compile on first use
+            self.host.warm()
         self.ctl = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
         node = f"{socket.gethostname()}/{ray.get_runtime_context().get_node_id()[:8]}"
         self.srv = HostServer(self.host, bind, keys=keys, tls=TLSConfig(**tls) if tls else None,

@@ -33,18 +33,21 @@ IN_DOUBT_S = 30.0  # s: how long a source asks a silent target about a sent comm
 RUNNING_WAIT = 5.0  # s: how long a source keeps a moved session's memory for the target's first token
 PRECOPY_STEP_BYTES = 3 << 20  # live pre-copy default: ~3 MB of KV per step of the generating session
 PRECOPY_RATE = 40e6  # ... and 40 MB/s while it is not generating
+PRECOPY_MAX = {"cpu": 80e6, "gpu": 1e9}  # pace cap: a CPU's generation shares its memory bandwidth
 PRECOPY_CHUNK = 3 << 19  # pre-copy frames carry ~1.5 MB of one layer's KV (a token range)
 
 
-def precopy_rate(s) -> float:
+def precopy_rate(s, device: str = "cpu") -> float:
     """Live pre-copy pace when the caller set none: about PRECOPY_STEP_BYTES per
     decode step of the session, so each step is disturbed alike at any context
     (measured on a shared 2-core machine: at 8k tokens, ~3 MB per step left the
     worst pre-copy gap under the handoff's; ~6 MB per step, i.e. 40 MB/s, made
-    it 47-95 ms), within 5-80 MB/s; PRECOPY_RATE while it is not generating."""
+    it 47-95 ms), within 5-80 MB/s (on a GPU, whose steps do not share the CPU's
+    memory bandwidth, up to 1 GB/s: a 6 ms step at 8k tokens would otherwise
+    outlast a reply); PRECOPY_RATE while it is not generating."""
     if s.turn is None or not s.step_seconds:
         return PRECOPY_RATE
-    return min(max(PRECOPY_STEP_BYTES / s.step_seconds, 5e6), 80e6)
+    return min(max(PRECOPY_STEP_BYTES / s.step_seconds, 5e6), PRECOPY_MAX.get(device, PRECOPY_MAX["cpu"]))
 
 
 @dataclass
@@ -129,7 +132,7 @@ class MigrationSource:
                 for _ in range(t.max_stages):  # pre-copy: the session keeps generating
                     with self.host.compute:
                         upto = len(s.history)
-                    sn.rate = t.rate or precopy_rate(s)
+                    sn.rate = t.rate or precopy_rate(s, self.host.device.kind)
                     # short holds of the compute lock to copy, encoding outside them;
                     # each frame goes out as soon as it is encoded
                     link.send(sn.encode(sn.extract(upto, lock=self.host.compute, chunk=chunk)))

@@ -41,6 +41,7 @@ class HostPolicy:
     max_queue: int = 256  # replies waiting for a place; beyond, RESOURCE_EXHAUSTED
     guest_step_ms: float = 20.0  # a guest's own time in one step, at most; a step waits no longer for it
     step_tokens: int = 0  # prompt tokens a step adds beside its decodes (0: adaptive, ~half a decode step)
+    speculate: bool | None = None  # run the greedy next step while guests sample (None: on a GPU)
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_guest_bytes", "max_tokens", "max_message_bytes", "max_modules",

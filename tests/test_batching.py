@@ -203,3 +203,56 @@ def test_a_checkpoint_taken_mid_batch_continues_identically(host, solo):
     assert head + rest == solo[x_prompt]
     assert others == {p: solo[p] for p in PROMPTS[:2]}
     host.close_session(y.id)
+
+
+@pytest.fixture(scope="module")
+def speculating(smollm):
+    """A host that speculates the greedy next step (the GPU default) on this CPU."""
+    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, speculate=True))
+    assert h.steps.speculate and not host_default_speculates(smollm)
+    yield h
+    h.close()
+
+
+def host_default_speculates(smollm) -> bool:
+    h = ModelHost(lm=smollm, progress=False)
+    try:
+        return h.steps.speculate  # on a CPU: off by default
+    finally:
+        h.close()
+
+
+def test_speculation_gives_the_same_tokens_alone_and_batched(speculating, solo):
+    for p in PROMPTS[:2]:
+        s = speculating.create_session(sampling=greedy(16))
+        assert [e.token for e in s.send(p) if e.token >= 0] == solo[p]
+        speculating.close_session(s.id)
+    st = speculating.steps.stats
+    assert st["speculation_hits"] >= 2 * 14 and st["speculated"] >= st["speculation_hits"]
+    out, errors = together(speculating, PROMPTS)
+    assert not errors and all(len(out[p]) == 16 for p in PROMPTS)
+    ref, _ = together(speculating, PROMPTS)  # the same composition again: the same tokens
+    assert out == ref
+    assert not speculating.steps.guesses  # every guess is taken or dropped when its session goes
+
+
+def test_a_wrong_guess_is_computed_again(speculating, solo, monkeypatch):
+    """Guesses that never match (here forced): every step runs again on the guest's
+    token, so the reply is still the solo one."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(speculating.steps, "_greedy", lambda logits: mx.argmin(mx.stack(logits), axis=-1).tolist())
+    before = speculating.steps.stats["speculation_hits"]
+    s = speculating.create_session(sampling=greedy(16))
+    assert [e.token for e in s.send(PROMPTS[0]) if e.token >= 0] == solo[PROMPTS[0]]
+    speculating.close_session(s.id)
+    assert speculating.steps.stats["speculation_hits"] == before
+
+
+def test_sampling_sessions_are_not_speculated(speculating):
+    sp = SamplingParams(temperature=0.8, top_k=40, seed=7, ignore_eos=True, max_tokens=12)
+    before = speculating.steps.stats["speculated"]
+    s = speculating.create_session(sampling=sp)
+    got = [e.token for e in s.send(PROMPTS[1]) if e.token >= 0]
+    speculating.close_session(s.id)
+    assert speculating.steps.stats["speculated"] == before and len(got) == 12

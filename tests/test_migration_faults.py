@@ -188,6 +188,10 @@ def test_precopy_pace_follows_the_step_time(pair):
     assert precopy_rate(Generating) == pytest.approx(PRECOPY_STEP_BYTES / 0.1)
     Generating.step_seconds = 1e-4
     assert precopy_rate(Generating) == 80e6
+    Generating.step_seconds = 0.006  # a GPU step: its cap is the GPU's
+    assert precopy_rate(Generating, "gpu") == pytest.approx(PRECOPY_STEP_BYTES / 0.006)
+    Generating.step_seconds = 1e-4
+    assert precopy_rate(Generating, "gpu") == 1e9
     Generating.step_seconds = 10.0
     assert precopy_rate(Generating) == 5e6
     s.close()

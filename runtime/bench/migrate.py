@@ -208,7 +208,10 @@ def _one(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, live:
         # the noise floor: the unmigrated twin's worst gap over the same stretch of its reply
         tg = [y - x for x, y in zip(twin_stamps, twin_stamps[1:])]
         tw = tg[max(0, idx - 1): end] or tg
+        pre = gaps[max(0, idx - 1): end - 1] if handoff else window  # the steps beside pre-copy
         return {"context": n_ctx, "mode": "live" if live else "stop-copy",
+                "precopy_worst_gap_ms": round(max(pre) * 1000, 1) if pre else None,
+                "precopy_worst_over_normal": round(max(pre) / normal, 2) if pre else None,
                 "downtime_ms": round((max(window) - normal) * 1000, 1),
                 "handoff_gap_ms": round(gaps[end - 1] * 1000, 1) if handoff else None,
                 "handoff_over_normal_ms": round((gaps[end - 1] - normal) * 1000, 1) if handoff else None,
@@ -232,7 +235,7 @@ def _one(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, live:
 
 PER_REP = ("downtime_ms", "handoff_gap_ms", "handoff_over_normal_ms", "normal_gap_ms",
            "twin_worst_gap_over_median_ms", "total_ms", "pause_ms", "bytes", "migration_started_at",
-           "handoff_at", "gaps_ms")
+           "handoff_at", "gaps_ms", "phases_ms", "precopy_worst_over_normal")
 
 
 def aggregate(runs: list[dict]) -> dict:
@@ -257,6 +260,8 @@ def _targets(rows: list[dict], transfers: list[dict] = ()) -> dict:
            "live_downtime_max_ms": max((r["downtime_ms"] for r in live.values()), default=None),
            "live_downtime_worst_rep_ms": max((r["downtime_ms_worst_rep"] for r in live.values()),
                                              default=None)}
+    pre = [x for r in live.values() for x in r["precopy_worst_over_normal_reps"] if x is not None]
+    out["live_precopy_worst_over_normal"] = max(pre, default=None)
     if live:
         lo, hi = min(live), max(live)
         out["live_downtime_ratio_largest_vs_smallest"] = round(

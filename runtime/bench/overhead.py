@@ -56,9 +56,15 @@ def run(model: str | None = None, tokens: int = 256, rounds: int = 3) -> dict:
             toks[side] = t
     med = {side: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v))
            for side, v in res.items()}
+    st = host.steps.stats
+    spec = {"on": host.steps.speculate, "speculated": st["speculated"], "hits": st["speculation_hits"]}
     host.close()
+    from ..device import current
+
     return {
         "model": lm.name,
+        "device": current().as_dict(), "dtype": lm.dtype, "weights": lm.weights,
+        "speculation": spec,
         "prompt_tokens": len(prompt),
         "generated_tokens": tokens,
         "rounds": rounds,

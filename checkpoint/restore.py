@@ -13,12 +13,13 @@ import contextlib
 import os
 import threading
 import weakref
+from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 
 from ..errors import GuestError, SessionExistsError
-from ..guest import MemoryImage
+from ..guest import GuestLimits, MemoryImage
 from ..params import SamplingParams, SessionOptions
 from ..session import Session, SessionState
 from . import codecs
@@ -60,6 +61,7 @@ class Restorer:
         self.kv_bytes = 0  # KV received so far
         self.reserved = 0  # cache room allocated (tokens received and to come)
         self._charged = [0]  # reserved in the host's count (ModelHost.kv_reserved)
+        self._guest = None  # the session's guest, instantiated at the header (see _guest_ahead)
         weakref.finalize(self, _release, host, self._charged)  # an abandoned restore gives it back too
 
     def apply(self, f: Frame) -> None:
@@ -115,6 +117,26 @@ class Restorer:
     def release(self) -> None:
         """Give back this restore's reservation (its session, once adopted, counts as held KV)."""
         _release(self.host, self._charged)
+        if self._guest is not None:  # made ahead and not taken
+            self._guest.close()
+            self._guest = None
+
+    def _guest_ahead(self, h: dict) -> None:
+        """Instantiate the session's guest now, from the module this host already has
+        (by the header's hash), so the commit of a migration (the session's pause)
+        only loads its memory: instantiating took 4-8 ms of every handoff."""
+        find = getattr(self.host, "cached_module", None)
+        gm = find((h.get("guest") or {}).get("sha256")) if find else None
+        if gm is None or gm.kind != "chat":
+            return
+        try:
+            opts = SessionOptions(**h["session"]["options"])
+            _, opts = self.host.policy.clamp(SamplingParams(), opts)
+            self._guest = self.host.engine.instantiate(
+                gm, f"{Path(gm.label).stem}#{self.session_id or h['session'].get('id')}",
+                GuestLimits(memory_cap=opts.memory_cap, deadline_ms=opts.deadline_ms))
+        except Exception:  # noqa: BLE001 - only a head start: the commit builds it and reports
+            self._guest = None
 
     def _header(self, h: dict, where: str) -> None:
         if self.header is not None:
@@ -155,6 +177,7 @@ class Restorer:
             from mlx_lm.models.cache import KVCache
 
             self.caches = [KVCache() for _ in range(n)]
+        self._guest_ahead(h)
 
     def _kv(self, b: dict, where: str, pending: list | None = None) -> None:
         """Apply one KV body. ``pending``: the caller holds the lock; the updated
@@ -217,7 +240,7 @@ class Restorer:
 
         with oom(where), self.lock if pending is None else contextlib.nullcontext():
             self._reserve(c, t1, k.shape, kd, v.shape, vd, where)
-            direct = pending is None and np_kind(c.keys.dtype) is not None
+            direct = np_kind(c.keys.dtype) is not None  # (a final batch too: its lock is held already)
             if direct:
                 mx.eval(c.keys, c.values)  # the room, allocated: written below without the lock
             else:
@@ -389,8 +412,9 @@ class Restorer:
             caches=caches, history=history.tolist(), messages=list(st.get("messages") or []), turn=turn,
             module=gm, memory=MemoryImage(size, pages, data, globals_),
             owner=self.owner if self.owner is not None else str(h["session"].get("owner") or ""))
+        guest, self._guest = self._guest, None
         try:
-            return Session.from_state(self.host, state)
+            return Session.from_state(self.host, state, guest=guest)
         except GuestError as e:
             raise CheckpointError(f"guest frame: {e}") from None
 

@@ -143,9 +143,12 @@ def cmd_generate(a) -> int:
             print(ev.text, end="", flush=True)
     st = s.last
     if a.json:
+        import mlx.core as mx
+
         print_json({"text": st.text, "tokens": st.tokens, **{k: v for k, v in asdict(st).items()
                      if k not in ("text", "tokens")}, "session": s.describe(),
-                     "placement": host.placement})
+                     "placement": host.placement, "device": host.device.as_dict(), "dtype": host.lm.dtype,
+                     "weights": host.lm.weights, "peak_memory_mb": round(mx.get_peak_memory() / 1e6, 1)})
     else:
         print()
         print(_stats_line(st), file=sys.stderr)

@@ -66,7 +66,8 @@ def cmd_serve(a) -> int:
     policy = {k: v for k, v in {"max_sessions": a.max_sessions, "session_ttl_s": a.session_ttl,
                                 "max_deadline_ms": a.max_deadline_ms, "max_tokens": a.max_tokens,
                                 "max_batch": a.max_batch, "max_queue": a.max_queue,
-                                "guest_step_ms": a.guest_step_ms, "step_tokens": a.step_tokens}.items()
+                                "guest_step_ms": a.guest_step_ms, "step_tokens": a.step_tokens,
+                                "speculate": {"auto": None, "on": True, "off": False}[a.speculate]}.items()
               if v is not None}
     HostPolicy(**policy)  # its one-line errors, here
     if a.cpus:
@@ -251,6 +252,9 @@ def register(sub, add: Callable) -> None:
                     "one over it ends its session with an error")
     sv.add_argument("--step-tokens", type=int, metavar="N", help="prompt tokens a step prefills beside its "
                     "decodes (default: adaptive, about half a decode step's time; like vLLM's chunked prefill)")
+    sv.add_argument("--speculate", choices=("auto", "on", "off"), default="auto",
+                    help="while guests sample, run the next step on their greedy tokens (auto: on a GPU, where "
+                         "it hides the host's per-step work; a guest that picks another token costs a step)")
     sv.add_argument("--no-auth", action="store_true", help="no token (loopback addresses only)")
     sv.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or an embedded Ray)")
     sv.add_argument("--threads", type=int, help="CPU threads for the model's matrix products (like llama.cpp "

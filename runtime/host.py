@@ -159,6 +159,10 @@ class ModelHost:
         except GuestError:
             pass  # reported to the first session that asks for it
 
+    def cached_module(self, sha256: str) -> GuestModule | None:
+        """A guest module this host has compiled, by hash (None if it has not)."""
+        return next((m for m in self._modules.values() if m.sha256 == sha256), None)
+
     def guest_module(self, guest: str | Path | None) -> GuestModule:
         path = str(guest or DEFAULT_GUEST)
         gm = self._modules.pop(path, None)

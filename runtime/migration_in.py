@@ -180,6 +180,7 @@ class MigrationTarget(pbg.MigrationServicer):
             if inc is not None:
                 with srv.registry_lock:
                     srv.incoming = {k: v for k, v in srv.incoming.items() if v is not inc}
+                inc.restorer.release()  # its KV reservation and its guest made ahead
             if not isinstance(e, KvferryError):  # a malformed message: one line, not UNKNOWN
                 e = MigrationError(f"malformed migration message ({type(e).__name__}: {e})")
             abort(context, e)

@@ -129,7 +129,7 @@ class Session:
 
     def __init__(self, host: Any, guest_path: "str | Path | GuestModule | None",
                  sampling: SamplingParams, options: SessionOptions, session_id: str | None = None,
-                 *, configure: bool = True):
+                 *, configure: bool = True, guest: Any = None):
         self.host = host
         self.lm = host.lm
         self.id = session_id or uuid.uuid4().hex[:12]
@@ -146,9 +146,11 @@ class Session:
         self.vocab_size = int(self.lm.config["vocab_size"])
         self.eos = sorted(self.lm.eos_token_ids)
         module = guest_path if isinstance(guest_path, GuestModule) else host.guest_module(guest_path)
-        self.guest = host.engine.instantiate(
-            module, f"{Path(module.label).stem}#{self.id}",
-            GuestLimits(memory_cap=options.memory_cap, deadline_ms=options.deadline_ms))
+        limits = GuestLimits(memory_cap=options.memory_cap, deadline_ms=options.deadline_ms)
+        if guest is not None and (guest.module.sha256 != module.sha256 or guest.limits != limits):
+            guest.close()  # made ahead for other terms (a restore's guess): not this session's
+            guest = None
+        self.guest = guest or host.engine.instantiate(module, f"{Path(module.label).stem}#{self.id}", limits)
         self.guest.model = self  # the ModelBinding the ABI's model functions call
         self.cache = self._make_cache()
         self.history: list[int] = []  # tokens in the KV cache, in order
@@ -446,10 +448,13 @@ class Session:
                             self.guest.memory_image() if memory else None, self.kv_epoch, self.owner)
 
     @classmethod
-    def from_state(cls, host: Any, state: SessionState, session_id: str | None = None) -> "Session":
+    def from_state(cls, host: Any, state: SessionState, session_id: str | None = None,
+                   guest: Any = None) -> "Session":
         """A session on ``host`` that continues ``state`` (not registered: see
-        ModelHost.adopt). The guest gets the saved memory instead of a config call."""
-        s = cls(host, state.module, state.sampling, state.options, session_id or state.id, configure=False)
+        ModelHost.adopt). The guest gets the saved memory instead of a config call
+        (``guest``: an instance made ahead of time, used if it fits)."""
+        s = cls(host, state.module, state.sampling, state.options, session_id or state.id, configure=False,
+                guest=guest)
         try:
             if state.memory is not None:
                 s.guest.load_memory_image(state.memory)

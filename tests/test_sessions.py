@@ -215,6 +215,18 @@ def test_generate_cli_default_guest(smollm_dir):
     out = json.loads(r.stdout)
     assert "Paris" in out["text"] and out["finish_reason"] == "stop"
     assert out["session"]["guest"] == "chat.wasm" and out["generation_tps"] > 0
+    assert out["device"]["kind"] == "cpu" and out["dtype"] == "float32" and out["peak_memory_mb"] > 0
+
+
+def test_generate_cli_float16_kv(smollm_dir):
+    """--dtype overrides the device's policy: float16 weights and KV on this CPU too."""
+    r = kvferry("generate", "--prompt", "What is the capital of France?", "--max-tokens", "8", "--json",
+                "--dtype", "float16")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["dtype"] == "float16" and out["weights"] == "float16" and "Paris" in out["text"]
+    bad = kvferry("generate", "--prompt", "hi", "--dtype", "float8")
+    assert bad.returncode != 0 and "invalid choice: 'float8'" in bad.stderr
 
 
 def test_quantized_kv_cache_on_smollm(smollm):

@@ -15,14 +15,17 @@ import time
 QUESTION = "Write a long, detailed story about a lighthouse keeper and a storm."
 
 
-def run(model: str | None = None, tokens: int = 256, rounds: int = 3) -> dict:
+def run(model: str | None = None, tokens: int = 256, rounds: int = 3, speculate: bool | None = None) -> dict:
+    """``speculate``: the step scheduler's greedy speculation (None: the device's default)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     from ..host import ModelHost
     from ..session import SamplingParams
 
-    host = ModelHost(model, progress=False)
+    from ..policy import HostPolicy
+
+    host = ModelHost(model, progress=False, policy=HostPolicy(speculate=speculate))
     lm = host.lm
     prompt = list(lm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
                                                   add_generation_prompt=True))

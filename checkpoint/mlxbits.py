@@ -30,6 +30,16 @@ def np_kind(dtype) -> tuple[type, str] | None:
     return {mx.float32: (np.uint32, "float32"), mx.float16: (np.uint16, "float16")}.get(dtype)
 
 
+def host_memory() -> bool:
+    """Whether MLX's arrays live in host memory the CPU reads and writes directly
+    (the CPU device), so numpy may copy KV in and out of them in place. On a GPU
+    (CUDA unified memory) a CPU touch migrates the pages, and the next step on
+    the GPU migrates them back: there KV moves by MLX copies on the device."""
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu
+
+
 def mx_from_bits(u: np.ndarray, dtype: str):
     import mlx.core as mx
 

@@ -25,7 +25,7 @@ from ..session import Session, SessionState
 from . import codecs
 from .errors import CheckpointError, CheckpointModelError, OutOfMemoryError
 from .frames import GUEST, HEADER, KV, STATE, TRAILER, Frame, iter_frames, read_file_chunks
-from .mlxbits import cast_bits, mx_from_bits, np_kind, oom
+from .mlxbits import cast_bits, host_memory, mx_from_bits, np_kind, oom
 
 PAGE = 65536
 MAX_GUEST_BYTES = 4 << 30
@@ -240,7 +240,8 @@ class Restorer:
 
         with oom(where), self.lock if pending is None else contextlib.nullcontext():
             self._reserve(c, t1, k.shape, kd, v.shape, vd, where)
-            direct = np_kind(c.keys.dtype) is not None  # (a final batch too: its lock is held already)
+            # (a final batch too: its lock is held already)
+            direct = np_kind(c.keys.dtype) is not None and host_memory()
             if direct:
                 mx.eval(c.keys, c.values)  # the room, allocated: written below without the lock
             else:

@@ -22,7 +22,7 @@ import numpy as np
 from . import codecs
 from .errors import CheckpointError
 from .frames import GUEST, HEADER, KV, STATE, FrameWriter
-from .mlxbits import mx_bits, np_kind
+from .mlxbits import host_memory, mx_bits, np_kind
 
 
 def _cache_kind(c) -> str:
@@ -105,7 +105,7 @@ class Snapshotter:
         self.sent_tokens = n
         step = max(1, chunk or n - t0)
         pieces = [(i, a, min(a + step, n)) for i in range(len(caches)) for a in range(t0, n, step)]
-        if self.kind == "KVCache" and np_kind(caches[0].state[0].dtype) is not None:
+        if self.kind == "KVCache" and np_kind(caches[0].state[0].dtype) is not None and host_memory():
             yield from self._extract_np(pieces, n, lock, budget)
             return
         j = 0

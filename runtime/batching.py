@@ -181,6 +181,7 @@ def install(model) -> bool:
 
 
 SHORT_PROMPT = 64  # prompt tokens a step prefills whole even beside decodes (a newcomer's turn)
+MISSES = 2  # guesses a session's guest may turn down in a row before it is no longer speculated
 
 
 class _Guess:
@@ -216,6 +217,7 @@ class StepScheduler:
         self.host = host
         self.speculate = speculate
         self.guesses: dict[Any, _Guess] = {}  # session -> its speculated next step (scheduler thread only)
+        self.missed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # guesses missed in a row
         self.max_batch = max_batch
         self.gather_s = guest_step_ms / 1000
         self.step_tokens = step_tokens  # prompt tokens a step may add next to decodes (0: adaptive)
@@ -316,6 +318,11 @@ class StepScheduler:
         try:
             self._loop()
         finally:
+            self.guesses.clear()
+            try:
+                mx.synchronize()  # a speculated step may still run: let it finish before its stream goes
+            except Exception:  # noqa: BLE001 - shutting down either way
+                pass
             # MLX made this thread its own streams; they must go with it, before the
             # interpreter exits (else the process aborts at exit: ml-explore/mlx#3395)
             mx.clear_streams()
@@ -387,6 +394,9 @@ class StepScheduler:
             g = self.guesses.pop(r.session, None)
             if g is not None and g.holds(r.session, r.tokens[-1]):
                 hit[r] = g
+                self.missed[r.session] = 0
+            elif g is not None:
+                self.missed[r.session] = self.missed.get(r.session, 0) + 1
         self.guesses.clear()  # a guess not taken now never will be
         if not hit:
             return self._forward(rows, plan)
@@ -404,10 +414,16 @@ class StepScheduler:
         the accelerator while the guests sample (see the module docstring)."""
         from mlx_lm.models.cache import KVCache
 
-        if not (self.speculate and rows and not plan and all(
-                r.session.sampling.temperature == 0 and r.session.cache
-                and all(type(c) is KVCache for c in r.session.cache) for r in rows)):
+        if not (self.speculate and rows and not plan):
             return
+        # greedy sessions on plain caches, unless their guest keeps choosing otherwise
+        # (a guest restricted to some tokens, say): each miss costs a step
+        pick = [i for i, r in enumerate(rows) if r.session.sampling.temperature == 0 and r.session.cache
+                and all(type(c) is KVCache for c in r.session.cache)
+                and self.missed.get(r.session, 0) < MISSES]
+        if not pick:
+            return
+        rows, logits = [rows[i] for i in pick], [logits[i] for i in pick]
         guess = self._greedy(logits)
         fake = [_Request(r.session, [t]) for r, t in zip(rows, guess)]
         nxt = self._forward(fake, [], wait=False)

@@ -256,3 +256,22 @@ def test_sampling_sessions_are_not_speculated(speculating):
     got = [e.token for e in s.send(PROMPTS[1]) if e.token >= 0]
     speculating.close_session(s.id)
     assert speculating.steps.stats["speculated"] == before and len(got) == 12
+
+
+def test_a_guest_that_turns_guesses_down_is_no_longer_speculated(speculating, host):
+    """digits.wasm samples greedily among digit tokens only: its choices are rarely
+    the model's argmax, so after MISSES wrong guesses its steps run unspeculated,
+    and its reply is the one an unspeculating host gives."""
+    from kvferry.batching import MISSES
+    from kvferry.guests import GUESTS_DIR
+
+    def reply(h):
+        s = h.create_session(GUESTS_DIR / "digits.wasm", sampling=greedy(12))
+        out = [e.token for e in s.send("Tell me about cats.") if e.token >= 0]
+        h.close_session(s.id)
+        return out
+    before = dict(speculating.steps.stats)
+    got = reply(speculating)
+    assert got == reply(host) and len(got) == 12
+    wasted = speculating.steps.stats["speculated"] - before["speculated"]
+    assert wasted - (speculating.steps.stats["speculation_hits"] - before["speculation_hits"]) <= MISSES + 1

@@ -16,13 +16,8 @@ The guests keep the control plane and ABI v1 is unchanged: a guest's
 ``kv_logits`` then reads its own row. A step waits for guests still sampling at
 most ``guest_step_ms``: a slow guest misses steps, it never holds one up.
 
-**Speculation** (on a GPU by default): while the guests of a decode step sample,
-the accelerator already runs the next step on each row's greedy token (as
-mlx-lm's ``generate_step`` overlaps step n+1 with step n). A guest that picks
-that token finds its logits computed; one that picks another costs a step
-computed again. Only rows whose sessions sample greedily are speculated, so a
-greedy reply is the same tokens either way. The speculative K/V sit one past
-each cache's offset, where the next write lands anyway: nothing to undo.
+On a GPU the scheduler also runs each greedy row's next step while its guest
+samples (:mod:`kvferry.speculation`).
 """
 
 from __future__ import annotations
@@ -36,6 +31,7 @@ from collections import deque
 from typing import Any
 
 from .errors import SessionError
+from .speculation import Speculation
 
 
 _LIVE: "weakref.WeakSet[StepScheduler]" = weakref.WeakSet()
@@ -181,21 +177,6 @@ def install(model) -> bool:
 
 
 SHORT_PROMPT = 64  # prompt tokens a step prefills whole even beside decodes (a newcomer's turn)
-MISSES = 2  # guesses a session's guest may turn down in a row before it is no longer speculated
-
-
-class _Guess:
-    """A speculated next step of one session: valid while its cache is where it was."""
-    __slots__ = ("token", "logits", "offset", "epoch", "n")
-
-    def __init__(self, token: int, logits: Any, session: Any) -> None:
-        self.token, self.logits = token, logits
-        self.offset, self.epoch, self.n = session.cache[0].offset, session.kv_epoch, len(session.history)
-
-    def holds(self, session: Any, token: int) -> bool:
-        return (token == self.token and not session.closed and session.cache
-                and session.cache[0].offset == self.offset and session.kv_epoch == self.epoch
-                and len(session.history) == self.n)
 
 
 class _Request:
@@ -209,14 +190,14 @@ class _Request:
         self.logits = self.error = None
 
 
-class StepScheduler:
+class StepScheduler(Speculation):
     """The step loop of one host (one thread). See the module docstring."""
 
     def __init__(self, host: Any, *, max_batch: int, guest_step_ms: float, step_tokens: int = 0,
                  speculate: bool = False) -> None:
         self.host = host
         self.speculate = speculate
-        self.guesses: dict[Any, _Guess] = {}  # session -> its speculated next step (scheduler thread only)
+        self.guesses: dict[Any, Any] = {}  # session -> its speculated next step (kvferry.speculation)
         self.missed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # guesses missed in a row
         self.max_batch = max_batch
         self.gather_s = guest_step_ms / 1000
@@ -381,63 +362,9 @@ class StepScheduler:
         self._fail(closed, SessionError("the session was closed during its step"))
         return [r for r in rows if r not in closed], [(r, c) for r, c in plan if r not in closed]
 
-    def _step(self, rows: list[_Request], plan: list) -> list:
-        """This step's logits per decode row: a row whose token was guessed takes the
-        speculated step's (its K/V already sit at its cache's offset); the others,
-        and the prompt chunks, run a forward pass."""
-        import mlx.core as mx
-
-        if not self.guesses:
-            return self._forward(rows, plan)
-        hit = {}
-        for r in rows:
-            g = self.guesses.pop(r.session, None)
-            if g is not None and g.holds(r.session, r.tokens[-1]):
-                hit[r] = g
-                self.missed[r.session] = 0
-            elif g is not None:
-                self.missed[r.session] = self.missed.get(r.session, 0) + 1
-        self.guesses.clear()  # a guess not taken now never will be
-        if not hit:
-            return self._forward(rows, plan)
-        for r in hit:
-            for c in r.session.cache:
-                c.offset += 1
-        self.stats["speculation_hits"] += len(hit)
-        rest = iter(self._forward([r for r in rows if r not in hit], plan))
-        out = [hit[r].logits if r in hit else next(rest) for r in rows]
-        mx.eval(out)
-        return out
-
-    def _guess(self, rows: list[_Request], plan: list, logits: list) -> None:
-        """Start the next step on each row's greedy token, not waited for: it runs on
-        the accelerator while the guests sample (see the module docstring)."""
-        from mlx_lm.models.cache import KVCache
-
-        if not (self.speculate and rows and not plan):
-            return
-        # greedy sessions on plain caches, unless their guest keeps choosing otherwise
-        # (a guest restricted to some tokens, say): each miss costs a step
-        pick = [i for i, r in enumerate(rows) if r.session.sampling.temperature == 0 and r.session.cache
-                and all(type(c) is KVCache for c in r.session.cache)
-                and self.missed.get(r.session, 0) < MISSES]
-        if not pick:
-            return
-        rows, logits = [rows[i] for i in pick], [logits[i] for i in pick]
-        guess = self._greedy(logits)
-        fake = [_Request(r.session, [t]) for r, t in zip(rows, guess)]
-        nxt = self._forward(fake, [], wait=False)
-        for r, t, lo in zip(rows, guess, nxt):
-            for c in r.session.cache:
-                c.offset -= 1  # the guess's K/V stay one past the offset until it is taken
-            self.guesses[r.session] = _Guess(t, lo, r.session)
-        self.stats["speculated"] += len(rows)
-
     @staticmethod
-    def _greedy(logits: list) -> list[int]:
-        import mlx.core as mx
-
-        return mx.argmax(mx.stack(logits), axis=-1).tolist()
+    def request(session: Any, tokens: list[int]) -> _Request:
+        return _Request(session, tokens)
 
     def _forward(self, rows: list[_Request], plan: list, wait: bool = True):
         """One step's model work; returns each decode row's logits, evaluated (with

@@ -262,7 +262,7 @@ def test_a_guest_that_turns_guesses_down_is_no_longer_speculated(speculating, ho
     """digits.wasm samples greedily among digit tokens only: its choices are rarely
     the model's argmax, so after MISSES wrong guesses its steps run unspeculated,
     and its reply is the one an unspeculating host gives."""
-    from kvferry.batching import MISSES
+    from kvferry.speculation import MISSES
     from kvferry.guests import GUESTS_DIR
 
     def reply(h):

@@ -1,0 +1,99 @@
+"""Speculating the greedy step (a mixin of :class:`kvferry.batching.StepScheduler`).
+
+While the guests of a decode step sample, the accelerator already runs the next
+step on each row's greedy token, as mlx-lm's ``generate_step`` overlaps step n+1
+with step n: a guest-driven step must otherwise wait for the guest's token before
+the next forward pass can even be built. A guest that picks that token finds its
+logits computed; one that picks another costs a step computed again, and a guest
+that turns guesses down ``MISSES`` times in a row (one restricted to some tokens)
+is no longer speculated. Only rows whose sessions sample greedily are, so a
+greedy reply is the same tokens either way. The speculated K/V sit one past each
+cache's offset, where the next write lands anyway: nothing to undo.
+
+On by default on a GPU (``serve --speculate``); on a CPU the forward pass is the
+whole step and a wasted one would cost as much.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MISSES = 2  # guesses a session's guest may turn down in a row before it is no longer speculated
+
+
+class _Guess:
+    """A speculated next step of one session: valid while its cache is where it was."""
+    __slots__ = ("token", "logits", "offset", "epoch", "n")
+
+    def __init__(self, token: int, logits: Any, session: Any) -> None:
+        self.token, self.logits = token, logits
+        self.offset, self.epoch, self.n = session.cache[0].offset, session.kv_epoch, len(session.history)
+
+    def holds(self, session: Any, token: int) -> bool:
+        return (token == self.token and not session.closed and session.cache
+                and session.cache[0].offset == self.offset and session.kv_epoch == self.epoch
+                and len(session.history) == self.n)
+
+
+class Speculation:
+    """The scheduler's guesses: ``speculate``, ``guesses`` (session -> _Guess) and
+    ``missed`` (session -> misses in a row) are set up by the scheduler; these
+    methods run on its thread, under the compute lock."""
+
+    def _step(self, rows: list, plan: list) -> list:
+        """This step's logits per decode row: a row whose token was guessed takes the
+        speculated step's (its K/V already sit at its cache's offset); the others,
+        and the prompt chunks, run a forward pass."""
+        import mlx.core as mx
+
+        if not self.guesses:
+            return self._forward(rows, plan)
+        hit = {}
+        for r in rows:
+            g = self.guesses.pop(r.session, None)
+            if g is not None and g.holds(r.session, r.tokens[-1]):
+                hit[r] = g
+                self.missed[r.session] = 0
+            elif g is not None:
+                self.missed[r.session] = self.missed.get(r.session, 0) + 1
+        self.guesses.clear()  # a guess not taken now never will be
+        if not hit:
+            return self._forward(rows, plan)
+        for r in hit:
+            for c in r.session.cache:
+                c.offset += 1
+        self.stats["speculation_hits"] += len(hit)
+        rest = iter(self._forward([r for r in rows if r not in hit], plan))
+        out = [hit[r].logits if r in hit else next(rest) for r in rows]
+        mx.eval(out)
+        return out
+
+    def _guess(self, rows: list, plan: list, logits: list) -> None:
+        """Start the next step on each row's greedy token, not waited for: it runs on
+        the accelerator while the guests sample (see the module docstring)."""
+        from mlx_lm.models.cache import KVCache
+
+        if not (self.speculate and rows and not plan):
+            return
+        # greedy sessions on plain caches, unless their guest keeps choosing otherwise
+        # (a guest restricted to some tokens, say): each miss costs a step
+        pick = [i for i, r in enumerate(rows) if r.session.sampling.temperature == 0 and r.session.cache
+                and all(type(c) is KVCache for c in r.session.cache)
+                and self.missed.get(r.session, 0) < MISSES]
+        if not pick:
+            return
+        rows, logits = [rows[i] for i in pick], [logits[i] for i in pick]
+        guess = self._greedy(logits)
+        fake = [self.request(r.session, [t]) for r, t in zip(rows, guess)]
+        nxt = self._forward(fake, [], wait=False)
+        for r, t, lo in zip(rows, guess, nxt):
+            for c in r.session.cache:
+                c.offset -= 1  # the guess's K/V stay one past the offset until it is taken
+            self.guesses[r.session] = _Guess(t, lo, r.session)
+        self.stats["speculated"] += len(rows)
+
+    @staticmethod
+    def _greedy(logits: list) -> list[int]:
+        import mlx.core as mx
+
+        return mx.argmax(mx.stack(logits), axis=-1).tolist()

@@ -59,11 +59,11 @@ class Speculation:
         self.guesses.clear()  # a guess not taken now never will be
         if not hit:
             return self._forward(rows, plan)
-        for r in hit:
+        rest = iter(self._forward([r for r in rows if r not in hit], plan))
+        for r in hit:  # (after the others' pass: a failed step leaves every cache as it was)
             for c in r.session.cache:
                 c.offset += 1
         self.stats["speculation_hits"] += len(hit)
-        rest = iter(self._forward([r for r in rows if r not in hit], plan))
         out = [hit[r].logits if r in hit else next(rest) for r in rows]
         mx.eval(out)
         return out
@@ -83,12 +83,18 @@ class Speculation:
         if not pick:
             return
         rows, logits = [rows[i] for i in pick], [logits[i] for i in pick]
-        guess = self._greedy(logits)
-        fake = [self.request(r.session, [t]) for r, t in zip(rows, guess)]
-        nxt = self._forward(fake, [], wait=False)
+        offsets = [[c.offset for c in r.session.cache] for r in rows]
+        try:
+            guess = self._greedy(logits)
+            nxt = self._forward([self.request(r.session, [t]) for r, t in zip(rows, guess)], [], wait=False)
+        except Exception:  # noqa: BLE001 - only a head start: the step itself succeeded
+            nxt = None
+        for r, offs in zip(rows, offsets):
+            for c, o in zip(r.session.cache, offs):
+                c.offset = o  # the guess's K/V stay one past the offset until it is taken
+        if nxt is None:
+            return
         for r, t, lo in zip(rows, guess, nxt):
-            for c in r.session.cache:
-                c.offset -= 1  # the guess's K/V stay one past the offset until it is taken
             self.guesses[r.session] = _Guess(t, lo, r.session)
         self.stats["speculated"] += len(rows)
 

@@ -13,15 +13,14 @@ import contextlib
 import os
 import threading
 import weakref
-from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 
 from ..errors import GuestError, SessionExistsError
-from ..guest import GuestLimits, MemoryImage
+from ..guest import MemoryImage
 from ..params import SamplingParams, SessionOptions
-from ..session import Session, SessionState
+from ..session import Session, SessionState, make_guest
 from . import codecs
 from .errors import CheckpointError, CheckpointModelError, OutOfMemoryError
 from .frames import GUEST, HEADER, KV, STATE, TRAILER, Frame, iter_frames, read_file_chunks
@@ -130,11 +129,8 @@ class Restorer:
         if gm is None or gm.kind != "chat":
             return
         try:
-            opts = SessionOptions(**h["session"]["options"])
-            _, opts = self.host.policy.clamp(SamplingParams(), opts)
-            self._guest = self.host.engine.instantiate(
-                gm, f"{Path(gm.label).stem}#{self.session_id or h['session'].get('id')}",
-                GuestLimits(memory_cap=opts.memory_cap, deadline_ms=opts.deadline_ms))
+            _, opts = self.host.policy.clamp(SamplingParams(), SessionOptions(**h["session"]["options"]))
+            self._guest = make_guest(self.host, gm, opts, self.session_id or h["session"].get("id"))
         except Exception:  # noqa: BLE001 - only a head start: the commit builds it and reports
             self._guest = None
 
@@ -194,13 +190,11 @@ class Restorer:
             if b.get("keys") is not None:
                 n = sum(self._declared(b.get(side), f"{where} {side}", None) for side in ("keys", "values"))
                 self._admit(n, where)  # before anything is decompressed
-                k = codecs.decode(b["keys"], f"{where} keys")
-                v = codecs.decode(b["values"], f"{where} values")
+                k, v = self._side(b, "keys", where), self._side(b, "values", where)
                 meta = b.get("meta")
                 if not (isinstance(meta, list) and len(meta) == 4 and all(isinstance(x, int) for x in meta)):
                     raise CheckpointError(f"{where}: malformed rotating-cache meta state")
-                b = {**b, "_k": cast_bits(k, b["keys"]["dtype"], self.kv_dtype, f"{where} keys"),
-                     "_v": cast_bits(v, b["values"]["dtype"], self.kv_dtype, f"{where} values")}
+                b = {**b, "_k": k, "_v": v}
             self.whole[i] = b
             return
         if cache["class"] == "QuantizedKVCache":
@@ -226,10 +220,7 @@ class Restorer:
             raise CheckpointError(f"{where}: token range {t0}..{t1} does not continue layer {i} "
                                   f"(it holds {c.offset} tokens)")
         self._admit(nbytes, where)  # before anything is decompressed
-        k, kd = cast_bits(codecs.decode(b.get("keys"), f"{where} keys"), b["keys"]["dtype"], self.kv_dtype,
-                          f"{where} keys")
-        v, vd = cast_bits(codecs.decode(b.get("values"), f"{where} values"), b["values"]["dtype"], self.kv_dtype,
-                          f"{where} values")
+        (k, kd), (v, vd) = self._side(b, "keys", where), self._side(b, "values", where)
         for name, a in (("keys", k), ("values", v)):
             if a.ndim != 4 or a.shape[1] != heads or a.shape[2] != t1 - t0 or a.shape[3] != hd:
                 raise CheckpointError(f"{where}: {name} shape {list(a.shape)} does not fit "
@@ -240,8 +231,7 @@ class Restorer:
 
         with oom(where), self.lock if pending is None else contextlib.nullcontext():
             self._reserve(c, t1, k.shape, kd, v.shape, vd, where)
-            # (a final batch too: its lock is held already)
-            direct = np_kind(c.keys.dtype) is not None and host_memory()
+            direct = np_kind(c.keys.dtype) is not None and host_memory()  # a final batch too
             if direct:
                 mx.eval(c.keys, c.values)  # the room, allocated: written below without the lock
             else:
@@ -259,6 +249,11 @@ class Restorer:
                 del view
             c.offset = t1
         self.chunks[i].append((t0, t1, None))
+
+    def _side(self, b: dict, side: str, where: str) -> tuple[np.ndarray, str]:
+        """A float KV blob's bits (keys or values), in the dtype this host computes in."""
+        return cast_bits(codecs.decode(b.get(side), f"{where} {side}"), b[side]["dtype"], self.kv_dtype,
+                         f"{where} {side}")
 
     def _declared(self, blob: Any, where: str, tokens: int | None, packed: bool = False) -> int:
         """The bytes a KV blob declares, once its shape and dtype are checked against

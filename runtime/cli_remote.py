@@ -10,7 +10,7 @@ from .params import DRAIN_TIMEOUT
 from .console import print_json
 from .errors import KvferryError
 from .params import MIGRATE_DEFAULTS, MIGRATE_MODES  # noqa: I001
-from .policy import HostPolicy
+from .policy import SPECULATE, HostPolicy
 
 DEFAULT_HOST = "127.0.0.1:50051"
 
@@ -67,7 +67,7 @@ def cmd_serve(a) -> int:
                                 "max_deadline_ms": a.max_deadline_ms, "max_tokens": a.max_tokens,
                                 "max_batch": a.max_batch, "max_queue": a.max_queue,
                                 "guest_step_ms": a.guest_step_ms, "step_tokens": a.step_tokens,
-                                "speculate": {"auto": None, "on": True, "off": False}[a.speculate]}.items()
+                                "speculate": SPECULATE[a.speculate]}.items()
               if v is not None}
     HostPolicy(**policy)  # its one-line errors, here
     if a.cpus:
@@ -252,7 +252,7 @@ def register(sub, add: Callable) -> None:
                     "one over it ends its session with an error")
     sv.add_argument("--step-tokens", type=int, metavar="N", help="prompt tokens a step prefills beside its "
                     "decodes (default: adaptive, about half a decode step's time; like vLLM's chunked prefill)")
-    sv.add_argument("--speculate", choices=("auto", "on", "off"), default="auto",
+    sv.add_argument("--speculate", choices=tuple(SPECULATE), default="auto",
                     help="while guests sample, run the next step on their greedy tokens (auto: on a GPU, where "
                          "it hides the host's per-step work; a guest that picks another token costs a step)")
     sv.add_argument("--no-auth", action="store_true", help="no token (loopback addresses only)")

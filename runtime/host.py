@@ -34,7 +34,7 @@ def warmup(lm: LoadedModel) -> None:
         pass
 
 
-def apply_placement(model, attn_cpu: float) -> dict:
+def apply_placement(model, attn_cpu: float, has_gpu: bool) -> dict:
     """Seed 003's hybrid placement: attention of the first ``attn_cpu`` fraction of
     layers on the CPU stream, everything else on the GPU stream.
 
@@ -47,7 +47,6 @@ def apply_placement(model, attn_cpu: float) -> dict:
         raise ConfigError(f"--attn-cpu {attn_cpu}: must be a fraction in [0, 1]")
     layers = model.layers
     n = round(attn_cpu * len(layers))
-    has_gpu = current().is_gpu
     report = {"attn_cpu": attn_cpu, "layers": len(layers), "attention_layers_on_cpu": n,
               "gpu": has_gpu, "active": bool(has_gpu and n)}
     if not has_gpu:
@@ -109,7 +108,7 @@ class ModelHost:
         self.lm = lm or load(model, dtype=dtype, progress=progress)
         self.device = current()
         self.policy = policy or HostPolicy()
-        self.placement = apply_placement(self.lm.model, attn_cpu)
+        self.placement = apply_placement(self.lm.model, attn_cpu, self.device.is_gpu)
         _ = self.lm.fingerprint  # hash the model files now, not in the middle of a migration
         self.engine = GuestEngine(V1)
         self.engine.max_modules = max(self.engine.max_modules, self.policy.max_modules)

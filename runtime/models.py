@@ -107,7 +107,6 @@ def resolve(model: str | os.PathLike | None = None, *, progress: bool = True) ->
                              "or pass a model directory or a .gguf file)")
 
 
-
 @dataclass
 class LoadedModel:
     name: str

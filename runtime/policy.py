@@ -23,6 +23,9 @@ def machine_memory() -> int:
         return 0
 
 
+SPECULATE = {"auto": None, "on": True, "off": False}  # --speculate -> HostPolicy.speculate
+
+
 @dataclass(frozen=True)
 class HostPolicy:
     max_sessions: int = 256  # sessions held at once (created, restored or landed)

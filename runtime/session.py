@@ -123,6 +123,17 @@ class _TextStream:
 _ids = itertools.count(1)
 
 
+def make_guest(host: Any, module: GuestModule, options: SessionOptions, session_id: str, ahead: Any = None) -> Any:
+    """The guest instance of session ``session_id`` (``options`` already held to the
+    host's policy): ``ahead`` (one made earlier, by a restore) if it fits, else a new one."""
+    limits = GuestLimits(memory_cap=options.memory_cap, deadline_ms=options.deadline_ms)
+    if ahead is not None and ahead.module.sha256 == module.sha256 and ahead.limits == limits:
+        return ahead
+    if ahead is not None:
+        ahead.close()  # made for other terms: not this session's
+    return host.engine.instantiate(module, f"{Path(module.label).stem}#{session_id}", limits)
+
+
 class Session:
     """One conversation. Create through :meth:`kvferry.host.ModelHost.create_session`;
     ``host`` is that ModelHost (lm, engine, guest modules, compute lock)."""
@@ -146,11 +157,7 @@ class Session:
         self.vocab_size = int(self.lm.config["vocab_size"])
         self.eos = sorted(self.lm.eos_token_ids)
         module = guest_path if isinstance(guest_path, GuestModule) else host.guest_module(guest_path)
-        limits = GuestLimits(memory_cap=options.memory_cap, deadline_ms=options.deadline_ms)
-        if guest is not None and (guest.module.sha256 != module.sha256 or guest.limits != limits):
-            guest.close()  # made ahead for other terms (a restore's guess): not this session's
-            guest = None
-        self.guest = guest or host.engine.instantiate(module, f"{Path(module.label).stem}#{self.id}", limits)
+        self.guest = make_guest(host, module, options, self.id, ahead=guest)
         self.guest.model = self  # the ModelBinding the ABI's model functions call
         self.cache = self._make_cache()
         self.history: list[int] = []  # tokens in the KV cache, in order

@@ -3,8 +3,6 @@ checkpoints and migrations between hosts of different dtypes, refusals), the
 transfer path (bit-exact, large, its figures reported) and the 8k regression
 (a live migration of a long conversation mid-reply, followed by the client)."""
 
-import threading
-import time
 
 import mlx.core as mx
 import numpy as np
@@ -17,6 +15,7 @@ from kvferry.device import current, weight_policy
 from kvferry.host import ModelHost
 from kvferry.params import SamplingParams
 from kvferry.server import HostServer
+from test_migration_faults import reading
 
 TOKEN = "accel"
 
@@ -152,16 +151,7 @@ def test_live_migration_at_8k_tokens_mid_reply_is_followed(long_model):
         "".join(twin.send(text, max_tokens=1))
         assert s.info()["tokens"] >= 8192
         ref = [ch.token for ch in twin.events("continue") if ch.token >= 0]
-        got = []
-
-        def consume():
-            for ch in s.events("continue"):
-                if ch.token >= 0:
-                    got.append(ch.token)
-        th = threading.Thread(target=consume)
-        th.start()
-        while len(got) < 8:
-            time.sleep(0.005)
+        th, got = reading(s, "continue", first=8)
         m = Client(a.address, TOKEN).session(s.id).migrate(to=b.address, live=True, mode="raw", rate_mb_s=200)
         th.join(120)
         assert m.target == b.address and m.tokens >= 8192

@@ -32,6 +32,22 @@ def conversation(srv, max_tokens=12):
     return c, s, twin
 
 
+def reading(session, prompt: str, first: int):
+    """Read ``session``'s reply to ``prompt`` on a thread (its tokens into the list
+    returned) and return once ``first`` of them have arrived: a reply mid-way, to move."""
+    got: list[int] = []
+
+    def consume():
+        for ch in session.events(prompt):
+            if ch.token >= 0:
+                got.append(ch.token)
+    th = threading.Thread(target=consume)
+    th.start()
+    while len(got) < first:
+        time.sleep(0.005)
+    return th, got
+
+
 @pytest.mark.parametrize("live", [False, True])
 def test_corrupted_frame_leaves_the_session_on_the_source(pair, monkeypatch, live):
     from kvferry.checkpoint import snapshot
@@ -150,16 +166,7 @@ def test_live_precopy_in_small_chunks_mid_reply(pair, monkeypatch, mode):
     a, b = pair
     c, s, twin = conversation(a, max_tokens=80)
     ref = [ch.token for ch in twin.events("keep going") if ch.token >= 0]
-    got = []
-
-    def consume():
-        for ch in s.events("keep going"):
-            if ch.token >= 0:
-                got.append(ch.token)
-    th = threading.Thread(target=consume)
-    th.start()
-    while len(got) < 4:
-        time.sleep(0.005)
+    th, got = reading(s, "keep going", first=4)
     with pytest.raises(RemoteError, match="rate_mb_s must be between 0 and 1e6"):
         Client(a.address, TOKEN).session(s.id).migrate(to=b.address, live=True, rate_mb_s=-1)
     src = a.host.sessions[s.id]

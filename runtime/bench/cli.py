@@ -8,6 +8,7 @@ from typing import Callable
 
 from ..console import print_json
 from ..errors import KvferryError
+from ..policy import SPECULATE
 
 
 def cmd_bench_cpu(a) -> int:
@@ -27,7 +28,7 @@ def cmd_bench_cpu(a) -> int:
 def cmd_bench_overhead(a) -> int:
     from .overhead import run
 
-    r = run(a.model, a.tokens, a.rounds, speculate={"auto": None, "on": True, "off": False}[a.speculate])
+    r = run(a.model, a.tokens, a.rounds, speculate=SPECULATE[a.speculate])
     if a.json:
         print_json(r)
     else:
@@ -199,7 +200,7 @@ def register(sub, add: Callable) -> None:
     bo.add_argument("--model")
     bo.add_argument("--tokens", type=int, default=256, help="generated tokens per run")
     bo.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
-    bo.add_argument("--speculate", choices=("auto", "on", "off"), default="auto",
+    bo.add_argument("--speculate", choices=tuple(SPECULATE), default="auto",
                     help="run the greedy next step while the guest samples (auto: on a GPU)")
     bo.add_argument("--json", action="store_true")
     bk = add(b, "checkpoint", cmd_bench_checkpoint, "KV codecs: ratio, speed, top-1 agreement")

@@ -100,6 +100,9 @@ def cmd_serve(a) -> int:
         raise KvferryError(f"--http-port {a.http_port}: must be a port number (0..65535; 0: any free port)")
     if a.drain_timeout <= 0:
         raise KvferryError(f"--drain-timeout must be positive, not {a.drain_timeout}")
+    from .models import resolve
+
+    resolve(a.model)  # an unknown model is one line here, not the host actor's traceback (imports a GGUF once)
     serve(a.model, bind, token, address=a.address, allow_no_auth=a.no_auth, tls=_tls(a),
           client_tls=_tls(a, "peer_tls"), ready=ready, report=report,
           max_kv_bytes=int(a.max_kv_mb * 1e6) if a.max_kv_mb else None, advertise=a.advertise,

@@ -144,3 +144,11 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
                 "tps_http_over_grpc"):
         assert hv[key] is not None
     assert hv["streams"] == 2 and hv["ttft_samples"] == 2
+
+
+def test_an_unknown_model_is_one_line_before_anything_starts():
+    for args in (("serve", "--model", "nope", "--port", "0"),
+                 ("bench", "migrate", "--model", "nope", "--contexts", "64", "--reps", "1")):
+        r = kvferry(*args, timeout=120)
+        assert r.returncode != 0
+        assert r.stderr.strip().startswith("kvferry: unknown model 'nope'") and len(r.stderr.strip().splitlines()) == 1

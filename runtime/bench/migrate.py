@@ -76,8 +76,10 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
     ``reps``: migrations per context and mode (a row is their median)."""
     if reps < 1:
         raise ValueError("reps must be at least 1")
+    from ..models import resolve
     from ..sdk import Client
 
+    resolve(model, progress=False)  # an unknown model is one line, before any host starts
     token = secrets.token_urlsafe(16)
     cpus = split_cpus() if pin else None
     pa, pb = free_port(), free_port()  # each names the other as its peer (migrations go to peers only)

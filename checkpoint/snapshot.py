@@ -26,7 +26,7 @@ from .mlxbits import host_memory, mx_bits, np_kind
 
 
 def _cache_kind(c) -> str:
-    return type(c).__name__
+    return getattr(type(c), "checkpoint_kind", type(c).__name__)  # a resident row's cache is a KVCache
 
 
 class Snapshotter:

@@ -197,8 +197,12 @@ class HostFunctions:
         """Write an evaluated MLX result into guest memory (the one copy: the output)."""
         import mlx.core as mx
 
-        flat = result.reshape(-1)
-        raw = np.array(flat.view(mx.uint8) if flat.dtype != mx.bool_ else flat, copy=False)
+        if result.dtype in (mx.float32, mx.float16, mx.int32, mx.uint32, mx.uint8, mx.int8):
+            # numpy reads the buffer: no MLX op (and no device round trip) on the guest's thread
+            raw = np.array(result, copy=False).reshape(-1).view(np.uint8)
+        else:
+            flat = result.reshape(-1)
+            raw = np.array(flat.view(mx.uint8) if flat.dtype != mx.bool_ else flat, copy=False)
         self.g.arena.np[offset:offset + raw.size] = raw
 
     def _model(self, fn: str) -> ModelBinding:
@@ -339,7 +343,7 @@ class HostFunctions:
         if o[1] != 0 or o[2] != (logits.shape[-1],):
             raise GuestAbiError(f"kv_logits: out must be f32[{logits.shape[-1]}], "
                                 f"got {DTYPES[o[1]][0]}{list(o[2])}")
-        self._store(o[0], logits.astype(mx.float32))
+        self._store(o[0], logits if logits.dtype == mx.float32 else logits.astype(mx.float32))
         return 0
 
     def kv_logits_topk(self, k: int, ids_ptr: int, vals_ptr: int) -> int:

@@ -77,11 +77,14 @@ class RowCaches:
 
 
 _solo_sdpa = None
+_resident = None  # kvferry.resident, once a scheduler keeps resident rows (it imports MLX)
 
 
 def _batched_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     import mlx.core as mx
 
+    if _resident is not None and isinstance(cache, _resident.StepLayer):
+        return cache.attention(queries, scale, sinks)
     if not isinstance(cache, RowCaches):
         return _solo_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     outs = []
@@ -194,7 +197,8 @@ class StepScheduler(Speculation):
     """The step loop of one host (one thread). See the module docstring."""
 
     def __init__(self, host: Any, *, max_batch: int, guest_step_ms: float, step_tokens: int = 0,
-                 speculate: bool = False) -> None:
+                 speculate: bool = False, shared_kv: bool = False) -> None:
+        global _resident
         self.host = host
         self.speculate = speculate
         self.guesses: dict[Any, Any] = {}  # session -> its speculated next step (kvferry.speculation)
@@ -204,6 +208,12 @@ class StepScheduler(Speculation):
         self.step_tokens = step_tokens  # prompt tokens a step may add next to decodes (0: adaptive)
         self.batched = install(host.lm.model)
         self.packed = self.batched and install_packed(host.lm.model)  # prompt chunks in the same pass
+        self.shared = None  # kvferry.resident.ResidentRows: decode rows' KV in one buffer per layer
+        if shared_kv and self.packed:  # (llama-shaped attention, as PackedCaches)
+            from . import resident
+
+            _resident, self.shared = resident, resident.ResidentRows()
+        self.departing: dict = {}  # resident session -> its caches, to leave the buffers at the next step
         self.cv = threading.Condition()
         self.decodes: deque[_Request] = deque()
         self.prefills: deque[_Request] = deque()
@@ -215,7 +225,8 @@ class StepScheduler(Speculation):
         self._late = False
         self.stats = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch_seen": 0,
                       "forward_s": 0.0,  # time in forward passes (the rest: guests and waiting)
-                      "speculated": 0, "speculation_hits": 0}
+                      "speculated": 0, "speculation_hits": 0,
+                      "resident_joins": 0, "resident_steps": 0}  # shared KV rows (kvferry.resident)
         self.last_rows = 0  # rows of the last decode step (a gauge)
         self.thread = threading.Thread(target=self._run, daemon=True, name="kvferry-steps")
         self.thread.start()
@@ -242,6 +253,9 @@ class StepScheduler(Speculation):
         """``session`` has no token coming this step (its turn ended or paused)."""
         self.guesses.pop(session, None)  # nor the guessed one: drop it (and the cache it holds)
         with self.cv:
+            if self.shared is not None and self.shared.owns(session):
+                self.departing[session] = list(session.cache)  # its KV goes back to it at the next step
+                self.cv.notify_all()
             if session in self.expect:
                 self.expect.discard(session)
                 self.cv.notify_all()
@@ -255,7 +269,7 @@ class StepScheduler(Speculation):
     # -- the step loop ---------------------------------------------------------------
     def _next(self) -> tuple[list[_Request], list[_Request]]:
         with self.cv:
-            while not (self.decodes or self.prefills or self.closed):
+            while not (self.decodes or self.prefills or self.closed or self.departing):
                 self.cv.wait()
             # sessions still sampling get until gather_s after the last step to join this one
             deadline = self._last + self.gather_s
@@ -313,6 +327,10 @@ class StepScheduler(Speculation):
             rows, prompts = self._next()
             if self.closed:
                 break
+            if self.departing:
+                self._depart(rows, prompts)
+            if not rows and not prompts:
+                continue
             plan = self._plan(rows, prompts)
             for req, chunk in plan:
                 req.tokens = req.tokens[len(chunk):]
@@ -342,6 +360,18 @@ class StepScheduler(Speculation):
                 r.logits = lo
                 r.done.set()
         self._fail(list(self.prefills) + list(self.decodes), SessionError("this host is shutting down"))
+
+    def _depart(self, rows: list[_Request], prompts: list[_Request]) -> None:
+        """Sessions whose turn ended leave the resident buffers (their KV copied back),
+        unless they have a token in this step."""
+        with self.cv:
+            stepping = {r.session for r in rows} | {r.session for r in prompts}
+            going = [(s, c) for s, c in self.departing.items() if s not in stepping or s.closed]
+            self.departing = {}
+        if going:
+            with self.host.compute:
+                for s, caches in going:
+                    self.shared.leave(s, caches)
 
     def _fail(self, reqs: list[_Request], err: Exception) -> None:
         with self.cv:
@@ -380,12 +410,19 @@ class StepScheduler(Speculation):
             if len(rows) == 1 or not self.batched:
                 parts = [model(tokens[i:i + 1], cache=r.session.cache)[:, -1] for i, r in enumerate(rows)]
                 batch = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+            elif self.shared is not None and self.shared.take([r.session for r in rows], self.stats):
+                sessions = [r.session for r in rows]
+                self.stats["resident_steps"] += 1
+                batch = model(tokens, cache=self.shared.step(sessions))[:, -1]
+                self.shared.advance(sessions)
+                out.extend(self.shared.k + self.shared.v)
             else:
                 n_layers = len(rows[0].session.cache)
                 caches = [RowCaches([r.session.cache[j] for r in rows]) for j in range(n_layers)]
                 batch = model(tokens, cache=caches)[:, -1]
-            # one evaluated array per row: a lazy op made on this thread's stream could not
-            # be evaluated on the guest's thread
+            # one evaluated float32 array per row: the guest's kv_logits then only reads it
+            # (a lazy op made on this thread's stream could not be evaluated on the guest's)
+            batch = batch.astype(mx.float32)
             logits = [batch[i] for i in range(len(rows))]
             out.extend(logits)
         for req, chunk in plan:
@@ -406,7 +443,7 @@ class StepScheduler(Speculation):
         sessions = [(r.session, 1) for r in rows] + [(req.session, len(c)) for req, c in plan]
         layers = len(sessions[0][0].cache)
         caches = [PackedCaches([(s.cache[j], n) for s, n in sessions]) for j in range(layers)]
-        out = model(mx.array(tokens, dtype=mx.int32)[None], cache=caches)[0]
+        out = model(mx.array(tokens, dtype=mx.int32)[None], cache=caches)[0, :len(rows)].astype(mx.float32)
         logits = [out[i] for i in range(len(rows))]  # a row's logits: its token's position
         mx.eval(logits + [c.state for req, _ in plan for c in req.session.cache])
         return logits

@@ -10,7 +10,7 @@ from .params import DRAIN_TIMEOUT
 from .console import print_json
 from .errors import KvferryError
 from .params import MIGRATE_DEFAULTS, MIGRATE_MODES  # noqa: I001
-from .policy import SPECULATE, HostPolicy
+from .policy import BATCH_KV, SPECULATE, HostPolicy
 
 DEFAULT_HOST = "127.0.0.1:50051"
 
@@ -67,7 +67,7 @@ def cmd_serve(a) -> int:
                                 "max_deadline_ms": a.max_deadline_ms, "max_tokens": a.max_tokens,
                                 "max_batch": a.max_batch, "max_queue": a.max_queue,
                                 "guest_step_ms": a.guest_step_ms, "step_tokens": a.step_tokens,
-                                "speculate": SPECULATE[a.speculate]}.items()
+                                "speculate": SPECULATE[a.speculate], "shared_kv": BATCH_KV[a.batch_kv]}.items()
               if v is not None}
     HostPolicy(**policy)  # its one-line errors, here
     if a.cpus:
@@ -258,6 +258,10 @@ def register(sub, add: Callable) -> None:
     sv.add_argument("--speculate", choices=tuple(SPECULATE), default="auto",
                     help="while guests sample, run the next step on their greedy tokens (auto: on a GPU, where "
                          "it hides the host's per-step work; a guest that picks another token costs a step)")
+    sv.add_argument("--batch-kv", choices=tuple(BATCH_KV), default="auto",
+                    help="where a decode batch's KV lives: shared (one buffer per layer, one attention for every "
+                         "row; mlx-lm's BatchKVCache) or per-session (each row its own cache and attention); auto: "
+                         "shared on a GPU")
     sv.add_argument("--no-auth", action="store_true", help="no token (loopback addresses only)")
     sv.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or an embedded Ray)")
     sv.add_argument("--threads", type=int, help="CPU threads for the model's matrix products (like llama.cpp "

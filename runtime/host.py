@@ -127,21 +127,24 @@ class ModelHost:
         self.admission = Admission(p.max_batch, p.max_queue, self.max_kv_bytes, self.kv_bytes)
         self.steps = StepScheduler(self, max_batch=p.max_batch, guest_step_ms=p.guest_step_ms,
                                    step_tokens=p.step_tokens,
-                                   speculate=self.device.is_gpu if p.speculate is None else p.speculate)
+                                   speculate=self.device.is_gpu if p.speculate is None else p.speculate,
+                                   shared_kv=self.device.is_gpu if p.shared_kv is None else p.shared_kv)
 
     def warm(self) -> None:
-        """Two short guest-driven replies at once through the step scheduler (a solo
-        and a two-row decode step, a prompt chunk): on a GPU the kernels of these
-        paths compile on first use, and a session migrating in mid-reply would
-        otherwise pay for that in its pause (60-90 ms measured on an H200)."""
-        def reply() -> None:
-            s = self.create_session(None, SamplingParams(max_tokens=4, ignore_eos=True))
+        """Three short guest-driven replies at once through the step scheduler (solo
+        and batched decode steps, with rows in order and with a gap once the first
+        reply ends, and prompt chunks): on a GPU the kernels of these paths compile
+        on first use (MLX caches them on disk). A session migrating in mid-reply
+        would pay for that in its pause (60-90 ms measured on an H200), and the first
+        batch of shared KV rows in its first steps (~3 minutes on a fresh H200)."""
+        def reply(n: int) -> None:
+            s = self.create_session(None, SamplingParams(max_tokens=n, ignore_eos=True))
             try:
                 for _ in s.send("hi"):
                     pass
             finally:
                 self.close_session(s.id)
-        threads = [threading.Thread(target=reply) for _ in range(2)]
+        threads = [threading.Thread(target=reply, args=(n,)) for n in (4, 8, 8)]
         for t in threads:
             t.start()
         for t in threads:

@@ -489,7 +489,7 @@ class Session:
 
     def describe(self) -> dict:
         return {"id": self.id, "guest": self.guest.module.label, "guest_sha256": self.guest.module.sha256,
-                "cache": type(self.cache[0]).__name__, "context": self.context,
+                "cache": getattr(type(self.cache[0]), "checkpoint_kind", type(self.cache[0]).__name__), "context": self.context,
                 "sampling": asdict(self.sampling), "options": asdict(self.options), **self.memory(),
                 "queue_position": self.host.admission.position(self)}
 

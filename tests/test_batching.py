@@ -22,9 +22,12 @@ def greedy(n):
     return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
 
 
-@pytest.fixture(scope="module")
-def host(smollm):
-    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8))
+@pytest.fixture(scope="module", params=[False, True], ids=["per-session-kv", "shared-kv"])
+def host(smollm, request):
+    """A host of each KV layout: per-session caches (the CPU default) and shared
+    resident rows (kvferry.resident, the GPU default), on this CPU."""
+    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, shared_kv=request.param))
+    assert (h.steps.shared is not None) == request.param
     yield h
     h.close()
 
@@ -72,6 +75,12 @@ def test_concurrent_sessions_share_decode_steps_and_match_solo(host, solo):
     assert out == solo  # attention per row is exact; on this machine the matmuls agree too
     again, _ = together(host, PROMPTS)
     assert again == out  # the same sessions together again: the same tokens
+    if host.steps.shared is not None:  # they decoded in resident rows, and left them when they closed
+        assert host.steps.stats["resident_joins"] >= 2 * len(PROMPTS)
+        deadline = time.time() + 10
+        while host.steps.shared.owner and time.time() < deadline:
+            time.sleep(0.01)
+        assert host.steps.shared.owner == [] and host.steps.shared.k == []
 
 
 def test_batched_logits_agree_with_solo(host):
@@ -207,8 +216,8 @@ def test_a_checkpoint_taken_mid_batch_continues_identically(host, solo):
 
 @pytest.fixture(scope="module")
 def speculating(smollm):
-    """A host that speculates the greedy next step (the GPU default) on this CPU."""
-    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, speculate=True))
+    """A host that speculates the greedy next step over shared KV rows (the GPU defaults) on this CPU."""
+    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, speculate=True, shared_kv=True))
     assert h.steps.speculate and not host_default_speculates(smollm)
     yield h
     h.close()

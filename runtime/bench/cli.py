@@ -8,7 +8,7 @@ from typing import Callable
 
 from ..console import print_json
 from ..errors import KvferryError
-from ..policy import SPECULATE
+from ..policy import BATCH_KV, SPECULATE
 
 
 def cmd_bench_cpu(a) -> int:
@@ -138,6 +138,10 @@ def cmd_bench_chaos(a) -> int:
 def cmd_bench_serve(a) -> int:
     from .serve import plot, run
 
+    if a.sessions is None:  # the defaults: a GPU batches far more
+        from ..device import current
+
+        a.sessions = [1, 8, 32, 64] if current().is_gpu else [1, 4, 8]
     if not a.sessions or min(a.sessions) < 1 or a.tokens < 2:
         raise KvferryError("--sessions takes counts >= 1 and --tokens at least 2")
     if a.plot:
@@ -148,7 +152,7 @@ def cmd_bench_serve(a) -> int:
     if a.ttft_samples < 1:
         raise KvferryError("--ttft-samples must be at least 1")
     r = run(a.model, tuple(a.sessions), a.tokens, a.long_prompt, progress=(lambda m: print(m, file=sys.stderr)),
-            http=a.http, ttft_samples=a.ttft_samples)
+            http=a.http, ttft_samples=a.ttft_samples, batch_kv=a.batch_kv)
     if a.plot:
         plot(r, a.plot)
     if a.json:
@@ -256,7 +260,9 @@ def register(sub, add: Callable) -> None:
     bs = add(b, "serve", cmd_bench_serve, "a real kvferry serve under N concurrent clients, next to mlx-lm's "
              "BatchGenerator (docs/performance.md)")
     bs.add_argument("--model")
-    bs.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8], help="concurrent sessions (default 1 4 8)")
+    bs.add_argument("--sessions", type=int, nargs="+", help="concurrent sessions (default 1 4 8; on a GPU 1 8 32 64)")
+    bs.add_argument("--batch-kv", choices=tuple(BATCH_KV), default="auto",
+                    help="the served host's serve --batch-kv (default auto: shared on a GPU)")
     bs.add_argument("--tokens", type=int, default=64, help="tokens per turn (default 64)")
     bs.add_argument("--long-prompt", type=int, default=2000, help="the long prompt's tokens (default 2000)")
     bs.add_argument("--plot", metavar="PNG", help="draw throughput and TPOT against sessions")

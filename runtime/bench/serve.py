@@ -95,12 +95,13 @@ def mlx_lm_tps(lm, prompts: list[str], tokens: int) -> float:
 
 def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens: int = 64,
         long_prompt: int = 2000, long_with: int = 4, progress=print, http: bool = False,
-        ttft_samples: int = 20) -> dict:
+        ttft_samples: int = 20, batch_kv: str = "auto") -> dict:
     from ..models import load
     from ..sdk import Client
 
     token = secrets.token_urlsafe(16)
-    srv = LoopbackHost(token, *(["--model", model] if model else []), *(["--http-port", "0"] if http else []))
+    srv = LoopbackHost(token, *(["--model", model] if model else []), *(["--http-port", "0"] if http else []),
+                       "--batch-kv", batch_kv)
     points = []
     http_vs_grpc = None
     try:
@@ -153,7 +154,7 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
         p["speedup_over_one"] = round(p["aggregate_tps"] / one, 2) if one else None
         p["ratio_to_mlx_lm"] = round(p["aggregate_tps"] / p["mlx_lm_tps"], 3) if p["mlx_lm_tps"] else None
     return {"model": lm.name, "tokens_per_turn": tokens, "points": points, "long_prompt": long,
-            "consistency": agree, "batching": True, "device": current().as_dict(),
+            "consistency": agree, "batching": True, "batch_kv": batch_kv, "device": current().as_dict(),
             **({"http_vs_grpc": http_vs_grpc} if http else {})}
 
 

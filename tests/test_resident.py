@@ -1,0 +1,112 @@
+"""Shared KV rows (kvferry.resident, the GPU default, here on the CPU): sessions
+decode in one buffer per layer; joining and leaving it keeps their KV bit for bit,
+a resident session checkpoints as a plain KVCache, and a session migrates live out
+of one host's resident batch into another's with every reply unchanged."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kvferry import Client
+from kvferry.checkpoint import restore, snapshot
+from kvferry.host import ModelHost
+from kvferry.params import SamplingParams
+from kvferry.policy import HostPolicy
+from kvferry.resident import ResidentKV
+from kvferry.server import HostServer
+
+TOKEN = "resident"
+
+
+def kv(session):
+    return [(np.array(c.keys[..., :c.offset, :]), np.array(c.values[..., :c.offset, :])) for c in session.cache]
+
+
+def test_join_and_leave_keep_the_kv_bit_for_bit(smollm):
+    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(shared_kv=True))
+    rows = h.steps.shared
+    try:
+        a, b = (h.create_session(sampling=SamplingParams(max_tokens=1, ignore_eos=True)) for _ in range(2))
+        "".join(e.text for e in a.send("A short prompt."))
+        "".join(e.text for e in b.send("A rather longer prompt, about ferries crossing a strait at dawn."))
+        want = {s: kv(s) for s in (a, b)}
+        with h.compute:
+            assert rows.take([a, b])
+        assert all(type(c) is ResidentKV for s in (a, b) for c in s.cache) and rows.owns(a) and rows.owns(b)
+        assert rows.tokens >= max(a.cache[0].offset, b.cache[0].offset) + 1
+        for s in (a, b):  # the views of a row are the session's KV
+            assert all(np.array_equal(x, y) for got, ref in zip(kv(s), want[s]) for x, y in zip(got, ref))
+        assert a.describe()["cache"] == "KVCache"
+        data = b"".join(snapshot.snapshot(a))  # a resident session checkpoints as a plain cache
+        r = restore.restore(h, [data], session_id="copy-of-a")
+        assert type(r.cache[0]) is KVCache
+        assert all(np.array_equal(x, y) for got, ref in zip(kv(r), want[a]) for x, y in zip(got, ref))
+        with h.compute:
+            rows.leave(a, a.cache)
+        assert all(type(c) is KVCache for c in a.cache) and not rows.owns(a) and rows.owns(b)
+        assert all(np.array_equal(x, y) for got, ref in zip(kv(a), want[a]) for x, y in zip(got, ref))
+        "".join(e.text for e in a.send("And more."))  # its own cache grows again
+        b.close()
+        with h.compute:
+            rows.leave(b, [])  # a closed session's row is freed, nothing copied
+        assert rows.owner == [] and rows.k == []  # nobody resident: the buffers are given back
+        for s in (a, r):
+            h.close_session(s.id)
+    finally:
+        h.close()
+
+
+@pytest.fixture(scope="module")
+def shared_pair(smollm_dir):
+    hs = [ModelHost(str(smollm_dir), progress=False, policy=HostPolicy(max_batch=8, shared_kv=True))
+          for _ in range(2)]
+    a, b = (HostServer(h, "127.0.0.1:0", token=TOKEN).start() for h in hs)
+    a.peers, b.peers = (b.address,), (a.address,)
+    yield a, b
+    a.stop()
+    b.stop()
+    for h in hs:
+        h.close()
+
+
+def test_live_migration_out_of_and_into_resident_batches(shared_pair):
+    """A session leaves host A's resident rows mid-reply and joins host B's, where
+    another session is generating: its reply, and both bystanders', are the tokens
+    each would have had alone."""
+    a, b = shared_pair
+    prompts = {"mover": "Tell me a long story about a cat.", "on_a": "Describe a river in spring.",
+               "on_b": "Describe a mountain at night."}
+    n = {"mover": 40, "on_a": 40, "on_b": 64}
+    ref = {}
+    for k, p in prompts.items():  # alone: nothing else on the host
+        t = Client(a.address, TOKEN).create_session(max_tokens=n[k], ignore_eos=True)
+        ref[k] = [x.token for x in t.events(p) if x.token >= 0]
+        t.close()
+    where = {"mover": a, "on_a": a, "on_b": b}
+    sessions = {k: Client(where[k].address, TOKEN).create_session(max_tokens=n[k], ignore_eos=True)
+                for k in prompts}
+    got = {k: [] for k in prompts}
+
+    def run(k):
+        for x in sessions[k].events(prompts[k]):
+            if x.token >= 0:
+                got[k].append(x.token)
+    ts = [threading.Thread(target=run, args=(k,)) for k in prompts]
+    for t in ts:
+        t.start()
+    deadline = time.time() + 120
+    while (len(got["mover"]) < 4 or len(got["on_b"]) < 2) and time.time() < deadline:
+        time.sleep(0.02)
+    joins = [srv.host.steps.stats["resident_joins"] for srv in (a, b)]
+    m = Client(a.address, TOKEN).session(sessions["mover"].id).migrate(to=b.address, live=True)
+    on_b_at_move = len(got["on_b"])
+    for t in ts:
+        t.join(180)
+    assert m.tokens > 0 and on_b_at_move < 64  # it joined B's batch while on_b was mid-reply
+    assert got == ref and sessions["mover"].host == b.address
+    assert joins[0] >= 2 and b.host.steps.stats["resident_joins"] > joins[1]  # resident on A, then on B
+    for s in sessions.values():
+        s.close()

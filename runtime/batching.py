@@ -466,8 +466,16 @@ class StepScheduler(Speculation):
                 self._tokens = min(4096, int(self._tokens * 1.25) + 1)
 
 
-def consistency(model, prompts: list[list[int]], tokens: int) -> dict:
-    """How far batching moves the numbers (the matmuls see B rows, attention does not).
+class _Rows:
+    """A stand-in session for :func:`consistency`'s shared rows: its caches only."""
+
+    def __init__(self, cache: list) -> None:
+        self.cache, self.closed = cache, False
+
+
+def consistency(model, prompts: list[list[int]], tokens: int, shared: bool = False) -> dict:
+    """How far batching moves the numbers (the matmuls see B rows; with ``shared``
+    KV rows, attention runs over the rows' padded length too).
 
     ``greedy_equal_solo``: the share of prompts whose greedy reply in one decode
     batch of all of them equals their solo reply. ``teacher_forced_top1``: fed the
@@ -477,6 +485,12 @@ def consistency(model, prompts: list[list[int]], tokens: int) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
     install(model)
+    global _resident
+    if shared:
+        from . import resident
+
+        _resident = resident
+        rows = {}  # id of a caches list -> its ResidentRows and stand-in
 
     def prefilled():
         caches, last = [], []
@@ -487,8 +501,18 @@ def consistency(model, prompts: list[list[int]], tokens: int) -> dict:
         return caches, mx.concatenate(last, axis=0)
 
     def batched_step(caches, toks):
+        x = mx.array(toks, dtype=mx.int32)[:, None]
+        if shared:
+            if id(caches) not in rows:
+                rr, stand = _resident.ResidentRows(), [_Rows(c) for c in caches]
+                assert rr.take(stand)
+                rows[id(caches)] = rr, stand
+            rr, stand = rows[id(caches)]
+            out = model(x, cache=rr.step(stand))[:, -1]
+            rr.advance(stand)
+            return out
         rc = [RowCaches([c[j] for c in caches]) for j in range(len(caches[0]))]
-        return model(mx.array(toks, dtype=mx.int32)[:, None], cache=rc)[:, -1]
+        return model(x, cache=rc)[:, -1]
 
     solo_caches, logits = prefilled()
     first = mx.argmax(logits, axis=-1).tolist()
@@ -506,6 +530,6 @@ def consistency(model, prompts: list[list[int]], tokens: int) -> dict:
         nxt = mx.argmax(batched_step(free, [b[-1] for b in batch]), axis=-1).tolist()
         for b, t in zip(batch, nxt):
             b.append(t)
-    return {"prompts": len(prompts), "tokens": tokens,
+    return {"prompts": len(prompts), "tokens": tokens, "kv": "shared" if shared else "per-session",
             "greedy_equal_solo": sum(a == b for a, b in zip(batch, solo)) / len(prompts),
             "teacher_forced_top1": agree / max(1, total)}

@@ -17,6 +17,7 @@ import threading
 import time
 
 from ..device import current
+from ..policy import BATCH_KV
 from .loopback import LoopbackHost
 
 TOPICS = ["rivers", "mountains", "ferries", "lighthouses", "bridges", "islands", "harbours", "storms"]
@@ -148,7 +149,8 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
     n = max(p["sessions"] for p in points)
     ids = [list(lm.tokenizer.apply_chat_template([{"role": "user", "content": _prompt(i)}],
                                                  add_generation_prompt=True)) for i in range(n)]
-    agree = consistency(lm.model, ids, min(tokens, 32))
+    shared = BATCH_KV[batch_kv] if BATCH_KV[batch_kv] is not None else current().is_gpu  # the served layout
+    agree = consistency(lm.model, ids, min(tokens, 32), shared=shared)
     one = points[0]["aggregate_tps"] if points and points[0]["sessions"] == 1 else None
     for p in points:
         p["speedup_over_one"] = round(p["aggregate_tps"] / one, 2) if one else None

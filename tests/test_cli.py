@@ -120,6 +120,7 @@ def test_bench_migrate_runs(smollm_dir):
     assert out["targets"]["identical_everywhere"]
     (t,) = out["transfers"]  # the raw transfer of an idle session, with its phases
     assert t["transfer_mb_s"] > 0 and len(t["transfer_mb_s_reps"]) == 2 and "transfer" in t["phases_ms"]
+    assert t["grpc_ceiling_mb_s"] > 0 and len(t["grpc_ceiling_mb_s_reps"]) == 3 and t["transfer_over_ceiling"] > 0
     assert out["targets"]["transfer_mb_s_min"] == t["transfer_mb_s"] and out["device"]["kind"] == "cpu"
 
 

@@ -136,6 +136,7 @@ def transfer(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, n
     figure listed. The rate is the KV's raw bytes over the time from the pause to
     the target's verified, landed restore (extract, encode, wire, land overlap)."""
     from ..sdk import Client
+    from . import ceiling
 
     runs = []
     src, dst = a, b
@@ -154,6 +155,9 @@ def transfer(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, n
     del s
     row = dict(sorted(runs, key=lambda r: r["transfer_mb_s"])[(len(runs) - 1) // 2])
     row.update(context=n_ctx, reps=len(runs), transfer_mb_s_reps=[r["transfer_mb_s"] for r in runs])
+    wire = ceiling.measure(row["raw_kv_bytes"], reps=max(3, reps))  # the same bytes over bare gRPC, same run
+    row.update(grpc_ceiling_mb_s=wire["mb_s"], grpc_ceiling_mb_s_reps=wire["reps"],
+               transfer_over_ceiling=round(row["transfer_mb_s"] / max(wire["mb_s"], 1e-9), 3))
     return row
 
 
@@ -274,18 +278,20 @@ def _targets(rows: list[dict], transfers: list[dict] = ()) -> dict:
         out["stop_copy_total_over_reprefill_at_2048"] = round(r["total_ms"] / r["reprefill_ms"], 4)
     if transfers:
         out["transfer_mb_s_min"] = min(t["transfer_mb_s"] for t in transfers)
+        out["transfer_over_grpc_ceiling_min"] = min(t["transfer_over_ceiling"] for t in transfers)
     return out
 
 
 def table(r: dict) -> str:
     """The human-readable form of :func:`run`'s result."""
     out = [f"device: {r['device']['backend']} ({r['device']['name']})", "",
-           f"{'context':>8} {'raw transfer MB/s':>18} {'extract':>8} {'encode':>8} {'wire':>8} {'land':>8} "
-           f"{'total ms':>9}"]
+           f"{'context':>8} {'raw transfer MB/s':>18} {'bare gRPC MB/s':>15} {'extract':>8} {'encode':>8} "
+           f"{'wire':>8} {'land':>8} {'total ms':>9}"]
     for t in r["transfers"]:
         p = t["phases_ms"]
-        out.append(f"{t['context']:>8} {t['transfer_mb_s']:>18} {p.get('extract', 0):>8.1f} {p.get('encode', 0):>8.1f} "
-                   f"{p.get('wire', 0):>8.1f} {p.get('land', 0):>8.1f} {t['total_ms']:>9}")
+        out.append(f"{t['context']:>8} {t['transfer_mb_s']:>18} {t['grpc_ceiling_mb_s']:>15} "
+                   f"{p.get('extract', 0):>8.1f} {p.get('encode', 0):>8.1f} {p.get('wire', 0):>8.1f} "
+                   f"{p.get('land', 0):>8.1f} {t['total_ms']:>9}")
     if r["rows"]:
         out += ["", f"{'context':>8} {'mode':>9} {'downtime ms':>12} {'worst rep':>10} {'handoff':>8} "
                     f"{'total ms':>9} {'re-prefill ms':>14} {'identical':>9}"]

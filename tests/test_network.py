@@ -3,6 +3,7 @@ bridge (a "machine"), the test itself in the root namespace (the user's laptop).
 
 import json
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -187,3 +188,16 @@ def test_drain_with_no_peer_saves_and_the_next_start_restores(smollm_dir, tmp_pa
         if a2 is not None:
             a2.stop()
 
+
+
+def test_bench_link_runs_and_reports_every_key(smollm_dir):
+    """The CI variant of `kvferry bench link`: one tbf-shaped link, a short context;
+    keys only (never a timing)."""
+    r = subprocess.run([sys.executable, "-m", "kvferry", "bench", "link", "--json", "--links", "1gbit", "--tokens",
+                        "64"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    (link,) = out["links"]
+    assert link["link"] == "1gbit" and link["link_mb_s"] == 125.0 and link["auto_chose"]
+    assert link["raw_transfer_mb_s"] > 0 and link["raw_share_of_link"] > 0 and out["raw_share_of_link_min"] > 0
+    assert {r["mode"] for r in out["rows"]} == {"raw", "lossless", "auto"} and out["target_raw_share_of_link"] == 0.9

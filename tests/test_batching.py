@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvferry.batching import consistency
+from kvferry.bench.consistency import consistency
 from kvferry.errors import GuestError, HostFullError
 from kvferry.guest import GuestTrap
 from kvferry.host import ModelHost

@@ -144,7 +144,7 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
     lm = load(model, progress=False)
     for p in points:
         p["mlx_lm_tps"] = mlx_lm_tps(lm, [_prompt(i) for i in range(p["sessions"])], tokens)
-    from ..batching import consistency
+    from .consistency import consistency
 
     n = max(p["sessions"] for p in points)
     ids = [list(lm.tokenizer.apply_chat_template([{"role": "user", "content": _prompt(i)}],

@@ -175,17 +175,21 @@ def test_live_migration_out_of_and_into_running_batches(two_hosts):
     """A session leaves host A's running batch mid-reply and joins host B's, where
     another session is generating: its reply, and both bystanders', are the tokens
     each would have had alone."""
-    a, b = two_hosts
+    through_batches(*two_hosts, TOKEN)
+
+
+def through_batches(a, b, token: str) -> None:
+    """Move a session live from A's running batch into B's (see the test above)."""
     prompts = {"mover": "Tell me a long story about a cat.", "on_a": "Describe a river in spring.",
                "on_b": "Describe a mountain at night."}
     n = {"mover": 40, "on_a": 40, "on_b": 64}
     ref = {}
     for k, p in prompts.items():  # alone: nothing else on the host
-        t = Client(a.address, TOKEN).create_session(max_tokens=n[k], ignore_eos=True)
+        t = Client(a.address, token).create_session(max_tokens=n[k], ignore_eos=True)
         ref[k] = [x.token for x in t.events(p) if x.token >= 0]
         t.close()
     where = {"mover": a, "on_a": a, "on_b": b}
-    sessions = {k: Client(where[k].address, TOKEN).create_session(max_tokens=n[k], ignore_eos=True)
+    sessions = {k: Client(where[k].address, token).create_session(max_tokens=n[k], ignore_eos=True)
                 for k in prompts}
     got = {k: [] for k in prompts}
 
@@ -199,7 +203,7 @@ def test_live_migration_out_of_and_into_running_batches(two_hosts):
     deadline = time.time() + 120
     while (len(got["mover"]) < 4 or len(got["on_b"]) < 2) and time.time() < deadline:
         time.sleep(0.02)
-    m = Client(a.address, TOKEN).session(sessions["mover"].id).migrate(to=b.address, live=True)
+    m = Client(a.address, token).session(sessions["mover"].id).migrate(to=b.address, live=True)
     on_b_at_move = len(got["on_b"])
     for t in ts:
         t.join(180)

@@ -3,20 +3,17 @@ decode in one buffer per layer; joining and leaving it keeps their KV bit for bi
 a resident session checkpoints as a plain KVCache, and a session migrates live out
 of one host's resident batch into another's with every reply unchanged."""
 
-import threading
-import time
-
 import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kvferry import Client
 from kvferry.checkpoint import restore, snapshot
 from kvferry.host import ModelHost
 from kvferry.params import SamplingParams
 from kvferry.policy import HostPolicy
 from kvferry.resident import ResidentKV
 from kvferry.server import HostServer
+from test_distributed import through_batches
 
 TOKEN = "resident"
 
@@ -77,36 +74,7 @@ def test_live_migration_out_of_and_into_resident_batches(shared_pair):
     another session is generating: its reply, and both bystanders', are the tokens
     each would have had alone."""
     a, b = shared_pair
-    prompts = {"mover": "Tell me a long story about a cat.", "on_a": "Describe a river in spring.",
-               "on_b": "Describe a mountain at night."}
-    n = {"mover": 40, "on_a": 40, "on_b": 64}
-    ref = {}
-    for k, p in prompts.items():  # alone: nothing else on the host
-        t = Client(a.address, TOKEN).create_session(max_tokens=n[k], ignore_eos=True)
-        ref[k] = [x.token for x in t.events(p) if x.token >= 0]
-        t.close()
-    where = {"mover": a, "on_a": a, "on_b": b}
-    sessions = {k: Client(where[k].address, TOKEN).create_session(max_tokens=n[k], ignore_eos=True)
-                for k in prompts}
-    got = {k: [] for k in prompts}
-
-    def run(k):
-        for x in sessions[k].events(prompts[k]):
-            if x.token >= 0:
-                got[k].append(x.token)
-    ts = [threading.Thread(target=run, args=(k,)) for k in prompts]
-    for t in ts:
-        t.start()
-    deadline = time.time() + 120
-    while (len(got["mover"]) < 4 or len(got["on_b"]) < 2) and time.time() < deadline:
-        time.sleep(0.02)
-    joins = [srv.host.steps.stats["resident_joins"] for srv in (a, b)]
-    m = Client(a.address, TOKEN).session(sessions["mover"].id).migrate(to=b.address, live=True)
-    on_b_at_move = len(got["on_b"])
-    for t in ts:
-        t.join(180)
-    assert m.tokens > 0 and on_b_at_move < 64  # it joined B's batch while on_b was mid-reply
-    assert got == ref and sessions["mover"].host == b.address
-    assert joins[0] >= 2 and b.host.steps.stats["resident_joins"] > joins[1]  # resident on A, then on B
-    for s in sessions.values():
-        s.close()
+    through_batches(a, b, TOKEN)
+    # resident on A (the mover beside on_a), and on B: a lone row never joins, so B's
+    # joins are on_b's and the mover's once it landed beside it
+    assert a.host.steps.stats["resident_joins"] >= 2 and b.host.steps.stats["resident_joins"] >= 2

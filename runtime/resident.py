@@ -58,6 +58,13 @@ class ResidentKV(KVCache):
         return self._rows.k[j][r:r + 1, :, :self.offset, :], self._rows.v[j][r:r + 1, :, :self.offset, :]
 
 
+class Bare:
+    """What the rows need of a session, for measuring them without one: its caches."""
+
+    def __init__(self, cache: list) -> None:
+        self.cache, self.closed = cache, False
+
+
 class ResidentRows:
     """One host's resident buffers. Used on the step thread, under the compute lock."""
 

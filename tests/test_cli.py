@@ -148,6 +148,18 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
     assert hv["streams"] == 2 and hv["ttft_samples"] == 2
 
 
+def test_bench_step_runs_and_reports_every_key(smollm_dir):
+    """`kvferry bench step`: each layout's forward pass per decode step; keys only."""
+    r = kvferry("bench", "step", "--json", "--rows", "1", "2", "--steps", "2", "--warmup", "1", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert [p["rows"] for p in out["points"]] == [1, 2] and out["device"]["kind"] == "cpu"
+    for p in out["points"]:
+        assert all(p[k] > 0 for k in ("shared_ms", "per_session_ms", "mlx_lm_ms", "shared_over_mlx_lm"))
+    bad = kvferry("bench", "step", "--rows", "0", timeout=120)
+    assert bad.returncode != 0 and bad.stderr.strip().startswith("kvferry: --rows takes counts >= 1")
+
+
 def test_an_unknown_model_is_one_line_before_anything_starts():
     for args in (("serve", "--model", "nope", "--port", "0"),
                  ("bench", "migrate", "--model", "nope", "--contexts", "64", "--reps", "1")):

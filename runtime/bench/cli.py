@@ -135,6 +135,22 @@ def cmd_bench_chaos(a) -> int:
     return 0 if ok else 1
 
 
+def cmd_bench_step(a) -> int:
+    from .step import run
+
+    if not a.rows or min(a.rows) < 1 or a.context < 1 or a.steps < 1 or a.warmup < 0:
+        raise KvferryError("--rows takes counts >= 1; --context and --steps at least 1, --warmup at least 0")
+    r = run(a.model, tuple(a.rows), a.context, a.steps, a.warmup, progress=(lambda m: print(m, file=sys.stderr)))
+    if a.json:
+        print_json(r)
+    else:
+        print(f"{'rows':>5} {'shared ms':>10} {'per-session ms':>15} {'mlx-lm ms':>10} {'shared/mlx-lm':>14}")
+        for p in r["points"]:
+            print(f"{p['rows']:>5} {p['shared_ms']:>10} {p['per_session_ms']:>15} {p['mlx_lm_ms']:>10} "
+                  f"{p['shared_over_mlx_lm']:>14}")
+    return 0
+
+
 def cmd_bench_serve(a) -> int:
     from .serve import plot, run
 
@@ -257,6 +273,14 @@ def register(sub, add: Callable) -> None:
     bh.add_argument("--clients", type=int, default=8)
     bh.add_argument("--seed", type=int, default=0)
     bh.add_argument("--json", action="store_true")
+    bt = add(b, "step", cmd_bench_step, "one decode step's forward pass: shared KV rows, per-session caches and "
+             "mlx-lm's BatchKVCache on the same model (guests and streams left out)")
+    bt.add_argument("--model")
+    bt.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="rows per step (default 1 8; e.g. 8 64 on a GPU)")
+    bt.add_argument("--context", type=int, default=64, help="prompt tokens per row (default 64)")
+    bt.add_argument("--steps", type=int, default=20, help="timed steps per figure (the median is reported)")
+    bt.add_argument("--warmup", type=int, default=3, help="steps before timing (a GPU compiles kernels in them)")
+    bt.add_argument("--json", action="store_true")
     bs = add(b, "serve", cmd_bench_serve, "a real kvferry serve under N concurrent clients, next to mlx-lm's "
              "BatchGenerator (docs/performance.md)")
     bs.add_argument("--model")

@@ -6,13 +6,6 @@ from __future__ import annotations
 from .. import batching
 
 
-class _Rows:
-    """A stand-in session for :func:`consistency`'s shared rows: its caches only."""
-
-    def __init__(self, cache: list) -> None:
-        self.cache, self.closed = cache, False
-
-
 def consistency(model, prompts: list[list[int]], tokens: int, shared: bool = False) -> dict:
     """How far batching moves the numbers (the matmuls see B rows; with ``shared``
     KV rows, attention runs over the rows' padded length too).
@@ -43,7 +36,7 @@ def consistency(model, prompts: list[list[int]], tokens: int, shared: bool = Fal
         x = mx.array(toks, dtype=mx.int32)[:, None]
         if shared:
             if id(caches) not in rows:
-                rr, stand = resident.ResidentRows(), [_Rows(c) for c in caches]
+                rr, stand = resident.ResidentRows(), [resident.Bare(c) for c in caches]
                 assert rr.take(stand)
                 rows[id(caches)] = rr, stand
             rr, stand = rows[id(caches)]

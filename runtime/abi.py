@@ -40,7 +40,9 @@ IMPORTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "kv_logits_topk": ((_I32, _I32, _I32), (_I32,)),
     "kv_token_text": ((_I32, _I32, _I32), (_I32,)),
 }
-MLX_MATH = ("kv_matmul", "kv_softmax", "kv_topk", "kv_logits", "kv_logits_topk")  # run under the compute lock
+MLX_MATH = ("kv_matmul", "kv_softmax", "kv_topk")  # run under the compute lock
+# kv_logits and kv_logits_topk(1, ...) read a step's evaluated float32 logits with numpy,
+# outside the lock: at 64 sessions a step would otherwise wait behind 64 device round trips
 REQUIRED_EXPORTS = ("memory", "kvferry_abi_version")
 CHAT_EXPORTS = ("kvferry_buffer", "kvferry_chat_config", "kvferry_chat_begin", "kvferry_chat_step")
 
@@ -343,12 +345,26 @@ class HostFunctions:
         if o[1] != 0 or o[2] != (logits.shape[-1],):
             raise GuestAbiError(f"kv_logits: out must be f32[{logits.shape[-1]}], "
                                 f"got {DTYPES[o[1]][0]}{list(o[2])}")
-        self._store(o[0], logits if logits.dtype == mx.float32 else logits.astype(mx.float32))
+        if logits.dtype == mx.float32:
+            self._store(o[0], logits)
+        else:
+            self._serialised(lambda: self._store(o[0], logits.astype(mx.float32)))()
         return 0
 
     def kv_logits_topk(self, k: int, ids_ptr: int, vals_ptr: int) -> int:
+        import mlx.core as mx
+
         m = self._model("kv_logits_topk")
-        return self._write_topk("kv_logits_topk", m.logits(), k & 0xFFFFFFFF, ids_ptr, vals_ptr)
+        logits, k = m.logits(), k & 0xFFFFFFFF
+        if k == 1 and logits.dtype == mx.float32 and logits.ndim == 1:  # greedy: numpy's argmax, the first maximum
+            v = np.array(logits, copy=False)
+            ip = self._span("kv_logits_topk", "ids", ids_ptr, 4, 4)
+            vp = self._span("kv_logits_topk", "vals", vals_ptr, 4, 4)
+            i = int(np.argmax(v))
+            self.g.arena.np[ip:ip + 4] = np.array([i], np.int32).view(np.uint8)
+            self.g.arena.np[vp:vp + 4] = v[i:i + 1].view(np.uint8)
+            return 0
+        return self._serialised(self._write_topk)("kv_logits_topk", logits, k, ids_ptr, vals_ptr)
 
     def kv_token_text(self, token: int, buf: int, cap: int) -> int:
         m = self._model("kv_token_text")

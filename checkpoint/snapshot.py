@@ -25,8 +25,10 @@ from .frames import GUEST, HEADER, KV, STATE, FrameWriter
 from .mlxbits import host_memory, mx_bits, np_kind
 
 
-def _cache_kind(c) -> str:
-    return getattr(type(c), "checkpoint_kind", type(c).__name__)  # a resident row's cache is a KVCache
+def cache_kind(c) -> str:
+    """The mlx-lm cache class a checkpoint records for ``c`` (a resident row's cache,
+    kvferry.resident.ResidentKV, is a KVCache's)."""
+    return getattr(type(c), "checkpoint_kind", type(c).__name__)
 
 
 class Snapshotter:
@@ -42,7 +44,7 @@ class Snapshotter:
         self.w = FrameWriter()
         self.sent_tokens = 0  # KV of tokens [0, sent_tokens) already emitted
         self.raw_kv_bytes = 0
-        self.kind = _cache_kind(self.caches[0])
+        self.kind = cache_kind(self.caches[0])
         self.rate = 0.0  # live pre-copy: raw KV bytes per second at most (0 = unpaced)
         self._due = 0.0
         self.epoch = self.st.kv_epoch

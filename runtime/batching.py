@@ -77,13 +77,12 @@ class RowCaches:
 
 
 _solo_sdpa = None
-_resident = None  # kvferry.resident, once a scheduler keeps resident rows (it imports MLX)
 
 
 def _batched_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     import mlx.core as mx
 
-    if _resident is not None and isinstance(cache, _resident.StepLayer):
+    if hasattr(cache, "attention"):  # a layer of a shared-rows step (kvferry.resident.StepLayer)
         return cache.attention(queries, scale, sinks)
     if not isinstance(cache, RowCaches):
         return _solo_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
@@ -198,7 +197,6 @@ class StepScheduler(Speculation):
 
     def __init__(self, host: Any, *, max_batch: int, guest_step_ms: float, step_tokens: int = 0,
                  speculate: bool = False, shared_kv: bool = False) -> None:
-        global _resident
         self.host = host
         self.speculate = speculate
         self.guesses: dict[Any, Any] = {}  # session -> its speculated next step (kvferry.speculation)
@@ -212,7 +210,7 @@ class StepScheduler(Speculation):
         if shared_kv and self.packed:  # (llama-shaped attention, as PackedCaches)
             from . import resident
 
-            _resident, self.shared = resident, resident.ResidentRows()
+            self.shared = resident.ResidentRows()
         self.departing: dict = {}  # resident session -> its caches, to leave the buffers at the next step
         self.cv = threading.Condition()
         self.decodes: deque[_Request] = deque()

@@ -68,8 +68,6 @@ class Bare:
 class ResidentRows:
     """One host's resident buffers. Used on the step thread, under the compute lock."""
 
-    cache_class = ResidentKV
-
     def __init__(self) -> None:
         self.k: list = []  # per layer [rows, kv_heads, tokens, head_dim]
         self.v: list = []

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .checkpoint.snapshot import cache_kind
 from .errors import ConfigError, GuestAbiError, GuestError, PromptTooLongError, SessionError
 from .guest import GuestLimits, GuestModule, MemoryImage
 from .params import SamplingParams, SessionOptions
@@ -489,7 +490,7 @@ class Session:
 
     def describe(self) -> dict:
         return {"id": self.id, "guest": self.guest.module.label, "guest_sha256": self.guest.module.sha256,
-                "cache": getattr(type(self.cache[0]), "checkpoint_kind", type(self.cache[0]).__name__), "context": self.context,
+                "cache": cache_kind(self.cache[0]), "context": self.context,
                 "sampling": asdict(self.sampling), "options": asdict(self.options), **self.memory(),
                 "queue_position": self.host.admission.position(self)}
 

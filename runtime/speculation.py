@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .checkpoint.snapshot import cache_kind
+
 MISSES = 2  # guesses a session's guest may turn down in a row before it is no longer speculated
 
 
@@ -71,15 +73,12 @@ class Speculation:
     def _guess(self, rows: list, plan: list, logits: list) -> None:
         """Start the next step on each row's greedy token, not waited for: it runs on
         the accelerator while the guests sample (see the module docstring)."""
-        from mlx_lm.models.cache import KVCache
-
-        plain = (KVCache, getattr(self.shared, "cache_class", KVCache))  # a resident row's is a KVCache too
         if not (self.speculate and rows and not plan):
             return
         # greedy sessions on plain caches, unless their guest keeps choosing otherwise
         # (a guest restricted to some tokens, say): each miss costs a step
         pick = [i for i, r in enumerate(rows) if r.session.sampling.temperature == 0 and r.session.cache
-                and all(type(c) in plain for c in r.session.cache)
+                and all(cache_kind(c) == "KVCache" for c in r.session.cache)
                 and self.missed.get(r.session, 0) < MISSES]
         if not pick:
             return

@@ -13,10 +13,10 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvferry import Client
-from test_distributed import TOKEN, Serve, free_port, serving_pair
+from test_distributed import TOKEN, Serve, reserved_port, serving_pair
 
 MODEL = "SmolLM2-135M-Instruct"
-PORTS = {"a": free_port(), "b": free_port()}
+PORTS = {"a": reserved_port(), "b": reserved_port()}
 
 
 def http_of(serve: Serve) -> str:

@@ -21,7 +21,6 @@ def consistency(model, prompts: list[list[int]], tokens: int, shared: bool = Fal
     if shared:
         from .. import resident
 
-        batching._resident = resident  # the attention hook's shared rows
         rows = {}  # id of a caches list -> its ResidentRows and stand-in
 
     def prefilled():

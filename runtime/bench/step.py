@@ -27,7 +27,6 @@ def run(model: str | None = None, rows: tuple[int, ...] = (1, 8), context: int =
     m = lm.model
     if not (batching.install(m) and batching.install_packed(m)):
         raise RuntimeError(f"{lm.name}: its attention cannot run batched")
-    batching._resident = resident
 
     def prompts(n: int) -> list[list[int]]:
         return [[(17 * i + t) % 1000 + 100 for t in range(context)] for i in range(n)]

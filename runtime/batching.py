@@ -179,25 +179,33 @@ def install(model) -> bool:
 
 
 SHORT_PROMPT = 64  # prompt tokens a step prefills whole even beside decodes (a newcomer's turn)
+ALONE_TOKENS = 2048  # prompt tokens of a step with nobody decoding, in chunks of each one's prefill_step
 
 
 class _Request:
     """Tokens a session needs run: a prompt (prefilled in chunks, its last token
-    decoded in a batch) or one token to decode. Done when its logits are known."""
-    __slots__ = ("session", "tokens", "n0", "done", "logits", "error")
+    decoded in a batch) or one token to decode. Done when its logits are known, or
+    for a driven decode when its guest has chosen the next token from them."""
+    __slots__ = ("session", "tokens", "n0", "done", "logits", "error", "driven", "token")
 
-    def __init__(self, session: Any, tokens: list[int]) -> None:
+    def __init__(self, session: Any, tokens: list[int], driven: bool = False) -> None:
         self.session, self.tokens, self.n0 = session, tokens, len(tokens)
         self.done = threading.Event()
-        self.logits = self.error = None
+        self.logits = self.error = self.token = None
+        self.driven = driven
 
 
 class StepScheduler(Speculation):
     """The step loop of one host (one thread). See the module docstring."""
 
     def __init__(self, host: Any, *, max_batch: int, guest_step_ms: float, step_tokens: int = 0,
-                 speculate: bool = False, shared_kv: bool = False) -> None:
+                 speculate: bool = False, shared_kv: bool = False, split_prefill: bool = False,
+                 drive: bool = False) -> None:
         self.host = host
+        self.drive = drive  # decode steps run the guests on this thread (guest_step)
+        # A step with decode rows and prompt chunks: one pass over both (the weights read
+        # once: a CPU's bound), or two (GPU: the decode rows keep their batched attention).
+        self.split = split_prefill
         self.speculate = speculate
         self.guesses: dict[Any, Any] = {}  # session -> its speculated next step (kvferry.speculation)
         self.missed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # guesses missed in a row
@@ -236,16 +244,56 @@ class StepScheduler(Speculation):
         from the session's own thread, inside its guest's kv_prefill/kv_decode);
         return the logits after the last one."""
         req = _Request(session, list(tokens))
-        with self.cv:
-            if self.closed:
-                raise SessionError("this host is shutting down")
-            self.expect.discard(session)
-            (self.prefills if len(tokens) > 1 else self.decodes).append(req)
-            self.cv.notify_all()
+        if threading.current_thread() is self.thread:  # a driven guest decoding another token
+            if len(tokens) != 1:
+                raise SessionError("a driven guest step prefills nothing")
+            with self.host.compute:
+                logits = self._forward([req], [])
+                session.history.append(tokens[0])
+            return logits[0]
+        self._enqueue(req)
         req.done.wait()
         if req.error is not None:
             raise req.error
         return req.logits
+
+    def _enqueue(self, req: _Request) -> None:
+        with self.cv:
+            if self.closed:
+                raise SessionError("this host is shutting down")
+            self.expect.discard(req.session)
+            (self.prefills if len(req.tokens) > 1 else self.decodes).append(req)
+            self.cv.notify_all()
+
+    def guest_step(self, session: Any, last: int | None) -> int:
+        """``session``'s next guest step (from its own thread): its token or a stop code.
+        Driven, a decode of ``last`` (the token its guest returned before, which a chat
+        guest decodes next) joins the next step, and this thread then calls the guest
+        itself: one thread switch a token instead of several, and no guest waits for
+        the GIL to read its logits. A prompt step, or a cache that cannot take a
+        token back, runs the guest on the session's thread as before."""
+        from .checkpoint.snapshot import cache_kind
+
+        if not (self.drive and last is not None and last >= 0 and not session._prompt_left
+                and session.cache and all(cache_kind(c) == "KVCache" for c in session.cache)):
+            return session.guest_step()
+        req = _Request(session, [last], driven=True)
+        self._enqueue(req)
+        req.done.wait()
+        if req.error is not None:
+            raise req.error
+        return req.token
+
+    def _drive(self, reqs: list[_Request]) -> None:
+        """Run the guests of this step's driven rows, each on its logits (on this
+        thread, under a deadline of a few budgets: a guest that spins is cut off)."""
+        deadline = max(5 * self.gather_s, 0.1) * 1000
+        for r in reqs:
+            try:
+                r.token = r.session.guest_step((r.tokens[-1], r.logits), deadline_ms=deadline)
+            except BaseException as e:  # noqa: BLE001 - it is that session's error, told on its thread
+                r.error = e
+            r.done.set()
 
     def leave(self, session: Any) -> None:
         """``session`` has no token coming this step (its turn ended or paused)."""
@@ -281,15 +329,17 @@ class StepScheduler(Speculation):
 
     def _plan(self, rows: list, prompts: list[_Request]) -> list[tuple[_Request, list[int]]]:
         """The prompt chunks of this step, first come first served. With nobody
-        decoding, a whole ``prefill_step`` chunk; beside decodes, a token budget
+        decoding, up to ALONE_TOKENS (a chunk of ``prefill_step`` of each prompt, side
+        by side where the model packs, as vLLM's ``max_num_batched_tokens``); beside decodes, a token budget
         steered so a step takes ~1.5x a plain decode step (TPOT p99 <= 2x p50), but
         at least one short prompt whole, so a burst of newcomers joins quickly."""
         plan = []
-        budget = (self.step_tokens or self._tokens) if rows or self._late else None
+        alone = not (rows or self._late)  # nobody decoding: ALONE_TOKENS, several prompts if they pack
+        budget = ALONE_TOKENS if alone else self.step_tokens or self._tokens
         for req in prompts:
             step = req.session.options.prefill_step
             left = len(req.tokens) - 1  # the last token is decoded in a batch
-            if budget is None:
+            if not plan and alone:
                 n = min(left, step)
             elif not plan and len(req.tokens) == req.n0 and left <= SHORT_PROMPT:  # untouched and short
                 n = left
@@ -298,10 +348,8 @@ class StepScheduler(Speculation):
             if n <= 0:
                 break
             plan.append((req, req.tokens[:n]))
-            if budget is None:
-                break
             budget -= n
-            if budget <= 0:
+            if budget <= 0 or (alone and not self.packed):
                 break
         return plan
 
@@ -356,7 +404,9 @@ class StepScheduler(Speculation):
                 self.expect = {r.session for r in rows}
             for r, lo in zip(rows, logits):
                 r.logits = lo
-                r.done.set()
+                if not r.driven:
+                    r.done.set()
+            self._drive([r for r in rows if r.driven])
         self._fail(list(self.prefills) + list(self.decodes), SessionError("this host is shutting down"))
 
     def _depart(self, rows: list[_Request], prompts: list[_Request]) -> None:
@@ -400,7 +450,7 @@ class StepScheduler(Speculation):
         import mlx.core as mx
 
         model = self.host.lm.model
-        if self.packed and rows and plan:  # decode-only steps: RowCaches' batched RoPE is cheaper
+        if self.packed and rows and plan and not self.split:
             return self._forward_packed(rows, plan)
         out, logits = [], []
         if rows:
@@ -423,17 +473,34 @@ class StepScheduler(Speculation):
             batch = batch.astype(mx.float32)
             logits = [batch[i] for i in range(len(rows))]
             out.extend(logits)
-        for req, chunk in plan:
-            model(mx.array(chunk, dtype=mx.int32)[None], cache=req.session.cache)
-            out.extend(c.state for c in req.session.cache)
+        if plan:
+            self._prefill(plan)
+            out.extend(c.state for req, _ in plan for c in req.session.cache)
         if not wait:
             mx.async_eval(out + [c.state for r in rows for c in r.session.cache])
             return logits
         mx.eval(out)
         return logits
 
+    def _prefill(self, plan: list) -> None:
+        """Prompt chunks into their sessions' caches. No logits: a prompt's last token
+        is decoded in a batch. Several chunks go side by side in one pass (packed)."""
+        import mlx.core as mx
+
+        model = self.host.lm.model
+        body = getattr(model, "model", None) if self.packed else None  # no vocabulary projection
+        if body is not None and len(plan) > 1:
+            tokens = [t for _, chunk in plan for t in chunk]
+            layers = len(plan[0][0].session.cache)
+            caches = [PackedCaches([(req.session.cache[j], len(c)) for req, c in plan]) for j in range(layers)]
+            body(mx.array(tokens, dtype=mx.int32)[None], cache=caches)
+            return
+        for req, chunk in plan:
+            (body or model)(mx.array(chunk, dtype=mx.int32)[None], cache=req.session.cache)
+
     def _forward_packed(self, rows: list[_Request], plan: list):
-        """Decode rows and prompt chunks in one forward pass (one read of the weights)."""
+        """Decode rows and prompt chunks in one forward pass (one read of the weights);
+        the vocabulary projection runs on the decode rows' positions only."""
         import mlx.core as mx
 
         model = self.host.lm.model
@@ -441,7 +508,9 @@ class StepScheduler(Speculation):
         sessions = [(r.session, 1) for r in rows] + [(req.session, len(c)) for req, c in plan]
         layers = len(sessions[0][0].cache)
         caches = [PackedCaches([(s.cache[j], n) for s, n in sessions]) for j in range(layers)]
-        out = model(mx.array(tokens, dtype=mx.int32)[None], cache=caches)[0, :len(rows)].astype(mx.float32)
+        hidden = model.model(mx.array(tokens, dtype=mx.int32)[None], cache=caches)[:, :len(rows)]
+        head = getattr(model, "lm_head", None) or model.model.embed_tokens.as_linear
+        out = head(hidden)[0].astype(mx.float32)
         logits = [out[i] for i in range(len(rows))]  # a row's logits: its token's position
         mx.eval(logits + [c.state for req, _ in plan for c in req.session.cache])
         return logits

@@ -10,7 +10,7 @@ from .params import DRAIN_TIMEOUT
 from .console import print_json
 from .errors import KvferryError
 from .params import MIGRATE_DEFAULTS, MIGRATE_MODES  # noqa: I001
-from .policy import BATCH_KV, SPECULATE, HostPolicy
+from .policy import BATCH_KV, GUEST_THREAD, SPECULATE, HostPolicy
 
 DEFAULT_HOST = "127.0.0.1:50051"
 
@@ -67,7 +67,8 @@ def cmd_serve(a) -> int:
                                 "max_deadline_ms": a.max_deadline_ms, "max_tokens": a.max_tokens,
                                 "max_batch": a.max_batch, "max_queue": a.max_queue,
                                 "guest_step_ms": a.guest_step_ms, "step_tokens": a.step_tokens,
-                                "speculate": SPECULATE[a.speculate], "shared_kv": BATCH_KV[a.batch_kv]}.items()
+                                "speculate": SPECULATE[a.speculate], "shared_kv": BATCH_KV[a.batch_kv],
+                                "drive_guests": GUEST_THREAD[a.guest_thread]}.items()
               if v is not None}
     HostPolicy(**policy)  # its one-line errors, here
     if a.cpus:
@@ -262,6 +263,9 @@ def register(sub, add: Callable) -> None:
                     help="where a decode batch's KV lives: shared (one buffer per layer, one attention for every "
                          "row; mlx-lm's BatchKVCache) or per-session (each row its own cache and attention); auto: "
                          "shared on a GPU")
+    sv.add_argument("--guest-thread", choices=tuple(GUEST_THREAD), default="auto",
+                    help="where a decode step's guests sample: on the host's step thread, one after another "
+                         "(one thread switch a token) or each on its session's thread; auto: step on a GPU")
     sv.add_argument("--no-auth", action="store_true", help="no token (loopback addresses only)")
     sv.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or an embedded Ray)")
     sv.add_argument("--threads", type=int, help="CPU threads for the model's matrix products (like llama.cpp "

@@ -20,6 +20,7 @@ every other guest untouched.
 from __future__ import annotations
 
 import ctypes
+import gc
 import hashlib
 import math
 import threading
@@ -93,6 +94,21 @@ class MemoryImage:
 class GuestLimits:
     memory_cap: int = 16 << 20  # bytes of linear memory, at most (arena = min(cap, module max))
     deadline_ms: float = 5000.0  # guest time per export call
+
+
+_gc_time = threading.local()  # CPU seconds this thread spent collecting garbage
+
+
+def _count_gc(phase: str, info: dict) -> None:
+    """A collection runs on whichever thread allocates: its CPU is nobody's guest's."""
+    if phase == "start":
+        _gc_time.start = time.thread_time()
+    elif (t := getattr(_gc_time, "start", None)) is not None:
+        _gc_time.spent = getattr(_gc_time, "spent", 0.0) + time.thread_time() - t
+        _gc_time.start = None
+
+
+gc.callbacks.append(_count_gc)
 
 
 # ----------------------------------------------------------------------------- engine
@@ -223,6 +239,7 @@ class Guest:
         self.copy_mode = False  # True: tensor calls copy guest bytes (benchmark baseline)
         self._call_start = self._call_cpu = 0.0
         self._host_time = 0.0
+        self._deadline_ms = limits.deadline_ms
         self._export = ""
         c = engine.creator
         with engine._lock:
@@ -321,8 +338,9 @@ class Guest:
     def has_export(self, name: str) -> bool:
         return name in self.module.exports
 
-    def call(self, export: str, *args: Any) -> Any:
-        """Call an export under the guest's deadline; traps become GuestTrap."""
+    def call(self, export: str, *args: Any, deadline_ms: float | None = None) -> Any:
+        """Call an export under the guest's deadline (``deadline_ms``: a shorter one for
+        this call); traps become GuestTrap."""
         if self.dead:
             raise GuestTrap(f"guest '{self.name}' is unusable after an earlier failure: {self.dead}")
         fn = self._funcs.get(export)
@@ -333,9 +351,10 @@ class Guest:
             fn = self._funcs[export] = f
         self._export = export
         self._call_start = time.perf_counter()
-        self._call_cpu = time.thread_time()
+        self._call_cpu = time.thread_time() - getattr(_gc_time, "spent", 0.0)
         self._host_time = 0.0
-        self.store.set_epoch_deadline(self._ticks(self.limits.deadline_ms / 1000))
+        self._deadline_ms = min(deadline_ms or self.limits.deadline_ms, self.limits.deadline_ms)
+        self.store.set_epoch_deadline(self._ticks(self._deadline_ms / 1000))
         try:
             return fn(self.store, *args)
         except GuestAbiError as e:
@@ -358,16 +377,17 @@ class Guest:
     def cpu_seconds(self) -> float:
         """CPU time this thread spent since the last call began: the guest's own work
         (MLX's model work runs on MLX's threads, and waiting for a step or for a
-        busy CPU costs none, so a loaded machine does not make a guest look slow)."""
-        return time.thread_time() - self._call_cpu
+        busy CPU costs none, so a loaded machine does not make a guest look slow;
+        nor does a garbage collection that happened to run in one of its calls)."""
+        return time.thread_time() - getattr(_gc_time, "spent", 0.0) - self._call_cpu
 
     def host_compute(self, seconds: float) -> None:
         """Host functions report model time so it does not count against the guest."""
         self._host_time += seconds
         used = (time.perf_counter() - self._call_start) - self._host_time
-        remaining = self.limits.deadline_ms / 1000 - used
+        remaining = self._deadline_ms / 1000 - used
         if remaining <= 0:
-            raise GuestAbiError(f"exceeded its deadline of {self.limits.deadline_ms:g} ms "
+            raise GuestAbiError(f"exceeded its deadline of {self._deadline_ms:g} ms "
                                 f"in {self._export}()")
         self.store.set_epoch_deadline(self._ticks(remaining))
 
@@ -380,7 +400,7 @@ class Guest:
             grow = (f" after memory.grow to {arena.refused_grow / 2**20:.1f} MiB was refused "
                     f"(memory cap {arena.cap / 2**20:.1f} MiB)")
         if code == wt.TrapCode.INTERRUPT:
-            return f"exceeded its deadline of {self.limits.deadline_ms:g} ms {where}"
+            return f"exceeded its deadline of {self._deadline_ms:g} ms {where}"
         if code == wt.TrapCode.STACK_OVERFLOW:
             return f"exhausted its wasm stack limit ({self.engine.stack_bytes // 1024} KiB) {where}"
         if code == wt.TrapCode.MEMORY_OUT_OF_BOUNDS:

@@ -128,7 +128,9 @@ class ModelHost:
         self.steps = StepScheduler(self, max_batch=p.max_batch, guest_step_ms=p.guest_step_ms,
                                    step_tokens=p.step_tokens,
                                    speculate=self.device.is_gpu if p.speculate is None else p.speculate,
-                                   shared_kv=self.device.is_gpu if p.shared_kv is None else p.shared_kv)
+                                   shared_kv=self.device.is_gpu if p.shared_kv is None else p.shared_kv,
+                                   split_prefill=self.device.is_gpu,
+                                   drive=self.device.is_gpu if p.drive_guests is None else p.drive_guests)
 
     def warm(self) -> None:
         """Three short guest-driven replies at once through the step scheduler (solo

@@ -25,6 +25,7 @@ def machine_memory() -> int:
 
 SPECULATE = {"auto": None, "on": True, "off": False}  # --speculate -> HostPolicy.speculate
 BATCH_KV = {"auto": None, "shared": True, "per-session": False}  # --batch-kv -> HostPolicy.shared_kv
+GUEST_THREAD = {"auto": None, "step": True, "session": False}  # --guest-thread -> HostPolicy.drive_guests
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class HostPolicy:
     step_tokens: int = 0  # prompt tokens a step adds beside its decodes (0: adaptive, ~half a decode step)
     speculate: bool | None = None  # run the greedy next step while guests sample (None: on a GPU)
     shared_kv: bool | None = None  # decode rows' KV in one buffer per layer (kvferry.resident; None: on a GPU)
+    drive_guests: bool | None = None  # decode steps call the guests on the step thread (None: on a GPU)
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_guest_bytes", "max_tokens", "max_message_bytes", "max_modules",

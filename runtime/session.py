@@ -173,6 +173,7 @@ class Session:
         # in any other export. Model time is the host's, so it is rationed here.
         self._prefill_budget = self._decode_budget = 0
         self._prompt_left = 0
+        self._ahead: tuple[int, Any] | None = None  # a decode the host ran ahead (guest_step)
         self.last_used = time.monotonic()  # idle expiry (serve --session-ttl)
         self.owner = ""  # the name of the key that created it (kvferry.keys)
         self.closed = False
@@ -247,6 +248,12 @@ class Session:
 
     def decode(self, token: int) -> None:
         self._spend_decode()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if ahead[0] == token:  # the host ran this step already (guest_step)
+                self._logits = ahead[1]
+                return
+            self._take_back()
         if self.options.ctx is None and len(self.history) + 1 > self.context:
             raise SessionError(f"context full ({self.context} tokens)")
         self._logits = self.host.steps.run(self, [token])  # one row of the host's next decode batch
@@ -366,8 +373,45 @@ class Session:
             self.host.steps.leave(self)
             admission.leave(self)
 
-    def _generate(self, turn: TurnState, replay_from: int | None) -> Iterator[TokenEvent]:
+    def guest_step(self, ahead: tuple[int, Any] | None = None, deadline_ms: float | None = None) -> int:
+        """One call of the guest's step export: its next token, or a stop code. With
+        ``ahead`` (token, logits) the host already ran the decode the guest is expected
+        to ask for (the token it returned last): its ``kv_decode`` of that token takes
+        those logits; another token, or none, and that step is taken back."""
         budget = self.host.policy.guest_step_ms / 1000
+        self._ahead = ahead
+        self._prefill_budget, self._decode_budget = self._prompt_left, 1
+        try:  # guest code runs outside the compute lock; its model calls take it
+            tok = self.guest.call("kvferry_chat_step", deadline_ms=deadline_ms)
+        except GuestError as e:
+            self.host.metrics.guest_traps.inc()
+            log.warning("session %s: %s", self.id, e)
+            raise
+        finally:
+            self._prefill_budget = self._decode_budget = 0
+            if self._ahead is not None:  # the guest did not decode the token run for it
+                self._ahead = None
+                self._take_back()
+        if (spent := self.guest.cpu_seconds()) > budget:  # its own CPU time: model work excluded
+            self.host.metrics.guest_traps.inc()
+            log.warning("session %s: guest over its step budget (%.1f ms of CPU)", self.id, spent * 1000)
+            self.guest.dead = f"spent {spent * 1000:.1f} ms of CPU in a step"
+            raise GuestError(f"guest '{self.guest.name}' spent {spent * 1000:.1f} ms of CPU in one step, "
+                             f"over this host's budget of {budget * 1000:g} ms (serve --guest-step-ms); "
+                             "its session leaves the batch")
+        return tok
+
+    def _take_back(self) -> None:
+        """Undo the last decoded token (a step the host ran ahead for the guest)."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        with self.host.compute:  # pre-copy reads the cache and the history under it
+            if not self.closed and self.history:
+                trim_prompt_cache(self.cache, 1)
+                self.history.pop()
+                self.kv_epoch += 1  # the token's K/V may have been sent already
+
+    def _generate(self, turn: TurnState, replay_from: int | None) -> Iterator[TokenEvent]:
         metrics = self.host.metrics
         t_last = 0.0
         stats = TurnStats(prompt_tokens=turn.n_prompt)
@@ -385,23 +429,9 @@ class Session:
                 finish = "length"
                 break
             t_step = time.perf_counter()
-            self._prefill_budget, self._decode_budget = self._prompt_left, 1
-            try:  # guest code runs outside the compute lock; its model calls take it
-                tok = self.guest.call("kvferry_chat_step")
-            except GuestError as e:
-                metrics.guest_traps.inc()
-                log.warning("session %s: %s", self.id, e)
-                raise
-            finally:
-                self._prefill_budget = self._decode_budget = 0
+            # a decode step runs the guest on the host's step thread where it can (kvferry.batching)
+            tok = self.host.steps.guest_step(self, turn.tokens[-1] if n_new else None)
             self.last_used = time.monotonic()
-            if (spent := self.guest.cpu_seconds()) > budget:  # its own CPU time: model work excluded
-                metrics.guest_traps.inc()
-                log.warning("session %s: guest over its step budget (%.1f ms of CPU)", self.id, spent * 1000)
-                self.guest.dead = f"spent {spent * 1000:.1f} ms of CPU in a step"
-                raise GuestError(f"guest '{self.guest.name}' spent {spent * 1000:.1f} ms of CPU in one step, "
-                                 f"over this host's budget of {budget * 1000:g} ms (serve --guest-step-ms); "
-                                 "its session leaves the batch")
             if n_new:  # the first step of a turn includes its prefill
                 dt = time.perf_counter() - t_step
                 self.step_seconds = 0.8 * self.step_seconds + 0.2 * dt if self.step_seconds else dt

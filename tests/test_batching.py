@@ -22,12 +22,16 @@ def greedy(n):
     return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["per-session-kv", "shared-kv"])
+@pytest.fixture(scope="module", params=[(False, False), (True, False), (True, True)],
+                ids=["per-session-kv", "shared-kv", "shared-kv-step-guests"])
 def host(smollm, request):
     """A host of each KV layout: per-session caches (the CPU default) and shared
-    resident rows (kvferry.resident, the GPU default), on this CPU."""
-    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, shared_kv=request.param))
-    assert (h.steps.shared is not None) == request.param
+    resident rows (kvferry.resident, the GPU default), on this CPU; the last also
+    runs decode steps' guests on the step thread (serve --guest-thread step, the
+    GPU default)."""
+    shared, drive = request.param
+    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, shared_kv=shared, drive_guests=drive))
+    assert (h.steps.shared is not None) == shared and h.steps.drive == drive
     yield h
     h.close()
 
@@ -166,7 +170,9 @@ SLOW_AT_STEP_4 = CHAT_WAT.replace("(global $n (mut i32) (i32.const 0))", """(glo
 
 @pytest.mark.parametrize("wat,error,match", [
     (TRAPS_AT_STEP_4, GuestTrap, r"aborted \(unreachable\) in kvferry_chat_step"),
-    (SLOW_AT_STEP_4, GuestError, r"ms of CPU in one step, over this host's budget of 20 ms"),
+    # on its session's thread the CPU budget ends it; on the step thread, a deadline of 5 budgets
+    (SLOW_AT_STEP_4, (GuestError, GuestTrap),
+     r"ms of CPU in one step, over this host's budget of 20 ms|exceeded its deadline of 100 ms in kvferry_chat_step"),
 ])
 def test_a_failing_guest_leaves_the_batch_and_the_others_go_on(host, solo, tmp_path, wat, error, match):
     path = tmp_path / "bad.wasm"
@@ -216,8 +222,10 @@ def test_a_checkpoint_taken_mid_batch_continues_identically(host, solo):
 
 @pytest.fixture(scope="module")
 def speculating(smollm):
-    """A host that speculates the greedy next step over shared KV rows (the GPU defaults) on this CPU."""
-    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, speculate=True, shared_kv=True))
+    """A host that speculates the greedy next step over shared KV rows, its guests on
+    the step thread (the GPU defaults), on this CPU."""
+    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, speculate=True, shared_kv=True,
+                                                               drive_guests=True))
     assert h.steps.speculate and not host_default_speculates(smollm)
     yield h
     h.close()

@@ -8,7 +8,7 @@ from typing import Callable
 
 from ..console import print_json
 from ..errors import KvferryError
-from ..policy import BATCH_KV, SPECULATE
+from ..policy import BATCH_KV, GUEST_THREAD, SPECULATE
 
 
 def cmd_bench_cpu(a) -> int:
@@ -168,7 +168,7 @@ def cmd_bench_serve(a) -> int:
     if a.ttft_samples < 1:
         raise KvferryError("--ttft-samples must be at least 1")
     r = run(a.model, tuple(a.sessions), a.tokens, a.long_prompt, progress=(lambda m: print(m, file=sys.stderr)),
-            http=a.http, ttft_samples=a.ttft_samples, batch_kv=a.batch_kv)
+            http=a.http, ttft_samples=a.ttft_samples, batch_kv=a.batch_kv, guest_thread=a.guest_thread)
     if a.plot:
         plot(r, a.plot)
     if a.json:
@@ -287,6 +287,8 @@ def register(sub, add: Callable) -> None:
     bs.add_argument("--sessions", type=int, nargs="+", help="concurrent sessions (default 1 4 8; on a GPU 1 8 32 64)")
     bs.add_argument("--batch-kv", choices=tuple(BATCH_KV), default="auto",
                     help="the served host's serve --batch-kv (default auto: shared on a GPU)")
+    bs.add_argument("--guest-thread", choices=tuple(GUEST_THREAD), default="auto",
+                    help="the served host's serve --guest-thread (default auto: step on a GPU)")
     bs.add_argument("--tokens", type=int, default=64, help="tokens per turn (default 64)")
     bs.add_argument("--long-prompt", type=int, default=2000, help="the long prompt's tokens (default 2000)")
     bs.add_argument("--plot", metavar="PNG", help="draw throughput and TPOT against sessions")

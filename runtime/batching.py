@@ -180,6 +180,7 @@ def install(model) -> bool:
 
 SHORT_PROMPT = 64  # prompt tokens a step prefills whole even beside decodes (a newcomer's turn)
 ALONE_TOKENS = 2048  # prompt tokens of a step with nobody decoding, in chunks of each one's prefill_step
+NEWCOMER_TOKENS = 512  # short prompts a step takes whole beside decodes, in all (a burst of newcomers)
 
 
 class _Request:
@@ -331,25 +332,26 @@ class StepScheduler(Speculation):
         """The prompt chunks of this step, first come first served. With nobody
         decoding, up to ALONE_TOKENS (a chunk of ``prefill_step`` of each prompt, side
         by side where the model packs, as vLLM's ``max_num_batched_tokens``); beside decodes, a token budget
-        steered so a step takes ~1.5x a plain decode step (TPOT p99 <= 2x p50), but
-        at least one short prompt whole, so a burst of newcomers joins quickly."""
+        steered so a step takes ~1.5x a plain decode step (TPOT p99 <= 2x p50), and
+        short prompts whole on top (up to NEWCOMER_TOKENS where the model packs, else
+        one), so a burst of newcomers joins in a step or two, not one a step."""
         plan = []
         alone = not (rows or self._late)  # nobody decoding: ALONE_TOKENS, several prompts if they pack
         budget = ALONE_TOKENS if alone else self.step_tokens or self._tokens
+        newcomers = NEWCOMER_TOKENS if self.packed else SHORT_PROMPT
         for req in prompts:
-            step = req.session.options.prefill_step
             left = len(req.tokens) - 1  # the last token is decoded in a batch
-            if not plan and alone:
-                n = min(left, step)
-            elif not plan and len(req.tokens) == req.n0 and left <= SHORT_PROMPT:  # untouched and short
-                n = left
-            else:
-                n = min(left, step, budget)
-            if n <= 0:
-                break
-            plan.append((req, req.tokens[:n]))
-            budget -= n
-            if budget <= 0 or (alone and not self.packed):
+            if not alone and len(req.tokens) == req.n0 and left <= SHORT_PROMPT:  # untouched and short
+                if left > newcomers:
+                    break  # the next step's newcomers, in order
+                newcomers -= left
+                plan.append((req, req.tokens[:left]))
+                continue
+            n = min(left, req.session.options.prefill_step, budget)
+            if n > 0:
+                plan.append((req, req.tokens[:n]))
+                budget -= n
+            if alone and not self.packed:
                 break
         return plan
 
@@ -400,13 +402,14 @@ class StepScheduler(Speculation):
                 continue
             self._account(rows, sum(len(c) for _, c in plan), time.perf_counter() - t0)
             with self.cv:
-                self._last = time.monotonic()
                 self.expect = {r.session for r in rows}
             for r, lo in zip(rows, logits):
                 r.logits = lo
                 if not r.driven:
                     r.done.set()
             self._drive([r for r in rows if r.driven])
+            with self.cv:  # the gather window opens once every row has its logits or its token
+                self._last = time.monotonic()
         self._fail(list(self.prefills) + list(self.decodes), SessionError("this host is shutting down"))
 
     def _depart(self, rows: list[_Request], prompts: list[_Request]) -> None:

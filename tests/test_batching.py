@@ -292,3 +292,38 @@ def test_a_guest_that_turns_guesses_down_is_no_longer_speculated(speculating, ho
     assert got == reply(host) and len(got) == 12
     wasted = speculating.steps.stats["speculated"] - before["speculated"]
     assert wasted - (speculating.steps.stats["speculation_hits"] - before["speculation_hits"]) <= MISSES + 1
+
+
+# A guest that decodes another token than the one it returned (odd steps), and one
+# that stops without decoding the token it returned: a host that runs decodes ahead
+# for its guests (serve --guest-thread step) must take those steps back.
+DECODES_ANOTHER = CHAT_WAT.replace("STEP", """
+    global.get $n i32.const 1 i32.add global.set $n
+    global.get $n i32.const 1 i32.and i32.const 65 i32.add call $decode drop
+    i32.const 65""")
+STOPS_UNDECODED = CHAT_WAT.replace("STEP", """
+    global.get $n i32.const 1 i32.add global.set $n
+    global.get $n i32.const 3 i32.gt_u if i32.const -1 return end
+    i32.const 70 call $decode drop
+    i32.const 70""")
+
+
+@pytest.mark.parametrize("wat,decoded", [(DECODES_ANOTHER, [66, 65, 66, 65, 66, 65]), (STOPS_UNDECODED, [70, 70, 70])])
+def test_steps_run_ahead_for_a_guest_are_taken_back_when_it_decodes_otherwise(smollm, tmp_path, wat, decoded):
+    path = tmp_path / "guest.wasm"
+    path.write_text(wat)
+    seen = {}
+    for drive in (False, True):
+        h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, drive_guests=drive))
+        try:
+            s = h.create_session(str(path), greedy(6))
+            events = list(s.send("hello"))
+            prompt = len(s.history) - len(decoded)
+            assert s.history[prompt:] == decoded and s.cache[0].offset == len(s.history)
+            keys = s.cache[0].state[0][..., :s.cache[0].offset, :]
+            seen[drive] = (s.history, [e.token for e in events], keys, s.kv_epoch)
+        finally:
+            h.close()
+    assert seen[True][:2] == seen[False][:2]
+    assert (seen[True][2] == seen[False][2]).all().item()
+    assert seen[True][3] > seen[False][3]  # the taken-back steps rewrote KV: pre-copy must hear of it

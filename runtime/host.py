@@ -125,12 +125,15 @@ class ModelHost:
         self.metrics = HostMetrics(self)
         p = self.policy
         self.admission = Admission(p.max_batch, p.max_queue, self.max_kv_bytes, self.kv_bytes)
+        gpu = self.device.is_gpu
+        drive = gpu if p.drive_guests is None else p.drive_guests
+        # speculation hid the guests' sampling on their own threads; with the guests on the
+        # step thread it cost more than it hid on the H200 (docs/performance.md)
         self.steps = StepScheduler(self, max_batch=p.max_batch, guest_step_ms=p.guest_step_ms,
                                    step_tokens=p.step_tokens,
-                                   speculate=self.device.is_gpu if p.speculate is None else p.speculate,
-                                   shared_kv=self.device.is_gpu if p.shared_kv is None else p.shared_kv,
-                                   split_prefill=self.device.is_gpu,
-                                   drive=self.device.is_gpu if p.drive_guests is None else p.drive_guests)
+                                   speculate=gpu and not drive if p.speculate is None else p.speculate,
+                                   shared_kv=gpu if p.shared_kv is None else p.shared_kv,
+                                   split_prefill=gpu, drive=drive)
 
     def warm(self) -> None:
         """Three short guest-driven replies at once through the step scheduler (solo

@@ -1,6 +1,6 @@
 """Resident rows: the KV of the sessions in a decode batch, in one buffer per layer.
 
-Per-session caches (:class:`kvferry.batching.RowCaches`) give every row of a decode
+Per-session caches (:class:`kvferry.batch_attention.RowCaches`) give every row of a decode
 step its own cache update and attention: about a dozen small ops per row and layer,
 23,000 kernel launches a step at 64 rows on a GPU, where the forward pass was 94 %
 of the step. Here a session that decodes beside others *joins* its host's

@@ -28,6 +28,7 @@ from .checkpoint.snapshot import cache_kind
 from .errors import ConfigError, GuestAbiError, GuestError, PromptTooLongError, SessionError
 from .guest import GuestLimits, GuestModule, MemoryImage
 from .params import SamplingParams, SessionOptions
+from .textstream import TextStream
 
 STOP_CODES = {-1: "stop", -2: "stop", -3: "length"}
 log = logging.getLogger("kvferry.session")
@@ -59,7 +60,7 @@ class TurnState:
     record: bool
     tokens: list[int]
     texts: list[str]  # the text streamed with each token
-    stream: "_TextStream"
+    stream: "TextStream"
     max_tokens: int = 0  # this turn's limit (0: the session's)
 
 
@@ -80,45 +81,6 @@ class SessionState:
     memory: MemoryImage | None = None
     kv_epoch: int = 0
     owner: str = ""  # the name of the key that created it (kvferry.keys)
-
-
-class _TextStream:
-    """Streaming detokenization that holds back a possible stop-string prefix."""
-
-    def __init__(self, tokenizer, stops: tuple[str, ...]):
-        self.det = tokenizer.detokenizer
-        self.det.reset()
-        self.stops = stops
-        self.emitted = 0
-
-    def _full(self) -> str:
-        return self.det.text
-
-    def add(self, token: int) -> str:
-        self.det.add_token(token)
-        text = self._full()
-        safe = len(text)
-        for s in self.stops:  # hold back a stop string and any suffix that could start one
-            if (at := text.find(s, max(0, self.emitted - len(s)))) >= 0:
-                safe = min(safe, at)
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    safe = min(safe, len(text) - k)
-                    break
-        out = text[self.emitted:safe]
-        self.emitted = max(self.emitted, safe)
-        return out
-
-    def finish(self, stopped_by_string: bool) -> str:
-        self.det.finalize()
-        text = self._full()
-        if stopped_by_string:
-            cut = min((text.find(s) for s in self.stops if s in text), default=len(text))
-            text = text[:cut]
-        out = text[self.emitted:] if len(text) > self.emitted else ""
-        self.emitted = len(text)
-        self.final_text = text
-        return out
 
 
 _ids = itertools.count(1)
@@ -338,7 +300,7 @@ class Session:
             raise SessionError(f"guest '{self.guest.name}' refused a turn of {len(new)} tokens")
         self.host.metrics.prompt_tokens.inc(len(new))
         self.turn = TurnState(n_prompt=len(new), record=record, tokens=[], texts=[],
-                              stream=_TextStream(self.lm.tokenizer, self.sampling.stop), max_tokens=max_tokens)
+                              stream=TextStream(self.lm.tokenizer, self.sampling.stop), max_tokens=max_tokens)
         return self._steps()
 
     def continue_turn(self, from_index: int = 0) -> Iterator[TokenEvent]:
@@ -350,7 +312,7 @@ class Session:
 
     def restore_turn(self, n_prompt: int, record: bool, tokens: list[int], texts: list[str],
                      max_tokens: int = 0) -> None:
-        stream = _TextStream(self.lm.tokenizer, self.sampling.stop)
+        stream = TextStream(self.lm.tokenizer, self.sampling.stop)
         for t in tokens:
             stream.det.add_token(t)
         stream.emitted = sum(len(x) for x in texts)

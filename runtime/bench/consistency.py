@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .. import batching
+from .. import batch_attention as batching
 
 
 def consistency(model, prompts: list[list[int]], tokens: int, shared: bool = False) -> dict:

@@ -19,7 +19,7 @@ def run(model: str | None = None, rows: tuple[int, ...] = (1, 8), context: int =
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-    from .. import batching, resident
+    from .. import batch_attention as batching, resident
     from ..device import current
     from ..models import load
 

@@ -81,6 +81,11 @@ class PackedCaches:
     def __init__(self, segments: list) -> None:
         self.segments = segments  # (cache, n_tokens), in sequence order
 
+    @classmethod
+    def of(cls, sessions: list) -> list["PackedCaches"]:
+        """Every layer's PackedCaches for ``sessions``: (session, n_tokens) in sequence order."""
+        return [cls([(s.cache[j], n) for s, n in sessions]) for j in range(len(sessions[0][0].cache))]
+
     def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False):
         return None  # each segment makes its own (_packed_attention)
 

@@ -142,10 +142,8 @@ class StepScheduler(Speculation):
         itself: one thread switch a token instead of several, and no guest waits for
         the GIL to read its logits. A prompt step, or a cache that cannot take a
         token back, runs the guest on the session's thread as before."""
-        from .checkpoint.snapshot import cache_kind
-
         if not (self.drive and last is not None and last >= 0 and not session._prompt_left
-                and session.cache and all(cache_kind(c) == "KVCache" for c in session.cache)):
+                and session.plain_kv()):
             return session.guest_step()
         req = _Request(session, [last], driven=True)
         self._enqueue(req)
@@ -200,8 +198,9 @@ class StepScheduler(Speculation):
     def _plan(self, rows: list, prompts: list[_Request]) -> list[tuple[_Request, list[int]]]:
         """The prompt chunks of this step, first come first served. With nobody
         decoding, up to ALONE_TOKENS (a chunk of ``prefill_step`` of each prompt, side
-        by side where the model packs, as vLLM's ``max_num_batched_tokens``); beside decodes, a token budget
-        steered so a step takes ~1.5x a plain decode step (TPOT p99 <= 2x p50), and
+        by side where the model packs, as vLLM's ``max_num_batched_tokens``); beside
+        decodes, a token budget steered so a step takes ~1.5x a plain decode step
+        (TPOT p99 <= 2x p50), and
         short prompts whole on top (up to NEWCOMER_TOKENS where the model packs, else
         one), so a burst of newcomers joins in a step or two, not one a step."""
         plan = []
@@ -363,9 +362,7 @@ class StepScheduler(Speculation):
         body = getattr(model, "model", None) if self.packed else None  # no vocabulary projection
         if body is not None and len(plan) > 1:
             tokens = [t for _, chunk in plan for t in chunk]
-            layers = len(plan[0][0].session.cache)
-            caches = [PackedCaches([(req.session.cache[j], len(c)) for req, c in plan]) for j in range(layers)]
-            body(mx.array(tokens, dtype=mx.int32)[None], cache=caches)
+            body(mx.array(tokens, dtype=mx.int32)[None], cache=PackedCaches.of([(r.session, len(c)) for r, c in plan]))
             return
         for req, chunk in plan:
             (body or model)(mx.array(chunk, dtype=mx.int32)[None], cache=req.session.cache)
@@ -377,11 +374,9 @@ class StepScheduler(Speculation):
 
         model = self.host.lm.model
         tokens = [r.tokens[-1] for r in rows] + [t for _, chunk in plan for t in chunk]
-        sessions = [(r.session, 1) for r in rows] + [(req.session, len(c)) for req, c in plan]
-        layers = len(sessions[0][0].cache)
-        caches = [PackedCaches([(s.cache[j], n) for s, n in sessions]) for j in range(layers)]
+        caches = PackedCaches.of([(r.session, 1) for r in rows] + [(req.session, len(c)) for req, c in plan])
         hidden = model.model(mx.array(tokens, dtype=mx.int32)[None], cache=caches)[:, :len(rows)]
-        head = getattr(model, "lm_head", None) or model.model.embed_tokens.as_linear
+        head = model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear  # (tied embeddings)
         out = head(hidden)[0].astype(mx.float32)
         logits = [out[i] for i in range(len(rows))]  # a row's logits: its token's position
         mx.eval(logits + [c.state for req, _ in plan for c in req.session.cache])

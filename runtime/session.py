@@ -470,6 +470,10 @@ class Session:
         return s
 
     # -- reporting ---------------------------------------------------------------
+    def plain_kv(self) -> bool:
+        """A plain KVCache on every layer (a resident row's too): a step run ahead on it can be taken back."""
+        return bool(self.cache) and all(cache_kind(c) == "KVCache" for c in self.cache)
+
     def memory(self) -> dict:
         kv = sum(c.nbytes for c in self.cache if not c.empty())
         return {"kv_bytes": int(kv), "arena_bytes": int(self.guest.arena.cap) if not self.closed else 0,

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .checkpoint.snapshot import cache_kind
-
 MISSES = 2  # guesses a session's guest may turn down in a row before it is no longer speculated
 
 
@@ -77,8 +75,7 @@ class Speculation:
             return
         # greedy sessions on plain caches, unless their guest keeps choosing otherwise
         # (a guest restricted to some tokens, say): each miss costs a step
-        pick = [i for i, r in enumerate(rows) if r.session.sampling.temperature == 0 and r.session.cache
-                and all(cache_kind(c) == "KVCache" for c in r.session.cache)
+        pick = [i for i, r in enumerate(rows) if r.session.sampling.temperature == 0 and r.session.plain_kv()
                 and self.missed.get(r.session, 0) < MISSES]
         if not pick:
             return

@@ -221,7 +221,8 @@ def register(sub, add: Callable) -> None:
     bo.add_argument("--tokens", type=int, default=256, help="generated tokens per run")
     bo.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
     bo.add_argument("--speculate", choices=tuple(SPECULATE), default="auto",
-                    help="run the greedy next step while the guest samples (auto: the host's default, see serve --speculate)")
+                    help="run the greedy next step while the guest samples "
+                         "(auto: the host's default, see serve --speculate)")
     bo.add_argument("--json", action="store_true")
     bk = add(b, "checkpoint", cmd_bench_checkpoint, "KV codecs: ratio, speed, top-1 agreement")
     bk.add_argument("--model")

@@ -26,6 +26,8 @@ row's next step while its guest samples (:mod:`kvferry.speculation`).
 from __future__ import annotations
 
 import atexit
+import json
+import os
 import threading
 import time
 import weakref
@@ -104,6 +106,9 @@ class StepScheduler(Speculation):
                       "speculated": 0, "speculation_hits": 0,
                       "resident_joins": 0, "resident_steps": 0}  # shared KV rows (kvferry.resident)
         self.last_rows = 0  # rows of the last decode step (a gauge)
+        # KVFERRY_STEP_TRACE=DIR: one JSON line a step in DIR/steps-PID.jsonl (docs/performance.md)
+        trace = os.environ.get("KVFERRY_STEP_TRACE")
+        self._trace = open(os.path.join(trace, f"steps-{os.getpid()}.jsonl"), "a", buffering=1) if trace else None
         self.thread = threading.Thread(target=self._run, daemon=True, name="kvferry-steps")
         self.thread.start()
         _LIVE.add(self)
@@ -230,6 +235,8 @@ class StepScheduler(Speculation):
             self._loop()
         finally:
             self.guesses.clear()
+            if self._trace:
+                self._trace.close()
             try:
                 mx.synchronize()  # a speculated step may still run: let it finish before its stream goes
             except Exception:  # noqa: BLE001 - shutting down either way
@@ -268,7 +275,8 @@ class StepScheduler(Speculation):
                 err = e if isinstance(e, SessionError) else SessionError(f"model step failed: {e}")
                 self._fail(rows + [req for req, _ in plan], err)
                 continue
-            self._account(rows, sum(len(c) for _, c in plan), time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            self._account(rows, sum(len(c) for _, c in plan), t1 - t0)
             with self.cv:
                 self.expect = {r.session for r in rows}
             for r, lo in zip(rows, logits):
@@ -276,6 +284,12 @@ class StepScheduler(Speculation):
                 if not r.driven:
                     r.done.set()
             self._drive([r for r in rows if r.driven])
+            if self._trace:
+                self._trace.write(json.dumps({
+                    "t": round(t0, 6), "forward_ms": round((t1 - t0) * 1e3, 2),
+                    "guests_ms": round((time.perf_counter() - t1) * 1e3, 2),
+                    "rows": [[r.session.id, len(r.session.history)] for r in rows],
+                    "prompts": [[q.session.id, len(c)] for q, c in plan]}) + "\n")
             with self.cv:  # the gather window opens once every row has its logits or its token
                 self._last = time.monotonic()
         self._fail(list(self.prefills) + list(self.decodes), SessionError("this host is shutting down"))

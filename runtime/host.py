@@ -53,19 +53,20 @@ def apply_placement(model, attn_cpu: float, has_gpu: bool) -> dict:
         report["note"] = "no GPU on this machine: everything runs on the CPU, placement is a no-op"
         return report
 
-    class OnStream(nn.Module):
-        def __init__(self, inner, stream):
+    class OnDevice(nn.Module):
+        # A device, not a stream: MLX streams belong to the thread that made them, and
+        # the step scheduler runs the model on its own thread.
+        def __init__(self, inner, device):
             super().__init__()
             self.inner = inner
-            self._stream = stream
+            self._device = device
 
         def __call__(self, *args, **kwargs):
-            with mx.stream(self._stream):
+            with mx.stream(self._device):
                 return self.inner(*args, **kwargs)
 
-    cpu = mx.default_stream(mx.cpu)
     for layer in layers[:n]:
-        layer.self_attn = OnStream(layer.self_attn, cpu)
+        layer.self_attn = OnDevice(layer.self_attn, mx.cpu)
     return report
 
 

@@ -195,6 +195,26 @@ def test_placement_is_reported(tiny_model):
         ModelHost(str(tiny_model), attn_cpu=1.5, progress=False)
 
 
+def test_placement_runs_on_the_step_thread(tiny_model):
+    """Attention placed on the CPU, as on a GPU host, runs where the step scheduler
+    runs the model (its own thread: MLX streams are per thread), with the same
+    tokens as without placement."""
+    from kvferry.host import apply_placement
+    from kvferry.models import load
+
+    def reply(lm) -> list[int]:
+        h = ModelHost(lm=lm, progress=False)
+        try:
+            s = h.create_session(None, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+            return [e.token for e in s.send("hello there") if e.token >= 0]
+        finally:
+            h.close()
+
+    placed = load(str(tiny_model), progress=False)
+    assert apply_placement(placed.model, 1.0, has_gpu=True)["active"]
+    assert reply(placed) == reply(load(str(tiny_model), progress=False))
+
+
 def test_not_a_chat_guest(host):
     from kvferry.guest import GuestError
 

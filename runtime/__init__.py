@@ -7,6 +7,7 @@ Ray load where a model is hosted (:mod:`kvferry.host`, ``kvferry serve``).
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from .errors import (AuthError, CheckpointError, ConfigError, GuestError, GuestTrap, HostDownError,  # noqa: F401
@@ -15,6 +16,13 @@ from .errors import (AuthError, CheckpointError, ConfigError, GuestError, GuestT
                      SessionExistsError, SessionMovedError, UnknownSessionError)
 
 __version__ = "0.1.0"
+
+# MLX CUDA's cuDNN attention builds a graph for each new shape: ~65 ms on an H200 for
+# every prompt chunk (each has a new key length) and for the first decode at each
+# 256-token KV size (so in a migrated session's pause), against ~10 ms for a whole
+# unfused chunk. Without it, MLX runs prompts unfused and decodes with its vector
+# kernel (docs/accelerator.md). Set before MLX loads; an explicit setting wins.
+os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
 
 _SDK = ("Client", "AsyncClient", "RemoteSession", "AsyncRemoteSession", "Migration")
 if TYPE_CHECKING:

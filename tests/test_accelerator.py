@@ -27,6 +27,23 @@ def test_the_device_and_its_policy_are_reported():
     assert {"kind", "backend", "name", "memory_gb"} <= set(d.as_dict())
 
 
+@pytest.mark.parametrize("preset, expect", [(None, "0"), ("1", "1")])
+def test_cudnn_attention_is_off_unless_the_user_set_it(preset, expect):
+    """kvferry turns MLX CUDA's cuDNN attention off before MLX loads (a graph build per
+    new shape: ~65 ms a prompt chunk and in a migrated session's pause on an H200),
+    and leaves an explicit setting alone."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MLX_CUDA_USE_CUDNN_SDPA"}
+    if preset is not None:
+        env["MLX_CUDA_USE_CUDNN_SDPA"] = preset
+    out = subprocess.run([sys.executable, "-c", "import kvferry, os; print(os.environ['MLX_CUDA_USE_CUDNN_SDPA'])"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == expect
+
+
 def test_cast_bits_widens_exactly_and_narrows_only_when_exact():
     x = np.array([0.5, -2.25, 1e-3, 65504.0], np.float16)
     wide, dt = cast_bits(x.view(np.uint16)[None], "float16", "float32", "t")

@@ -27,6 +27,7 @@ class Turn:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.cached = 0  # prompt tokens whose KV a reused session already held
+        self.end: tuple | None = None  # the turn's last event, sent once its session is free again
 
     def put(self, *item: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -122,6 +123,7 @@ class Turn:
             if moved is not None:
                 self._relay(s.id, *moved, n_prompt, n_out)
         except Exception as e:  # noqa: BLE001 - the request's answer (or the stream's last event)
+            self.end = None
             self.put("error", e)
         finally:
             slot.lock.release()
@@ -130,6 +132,10 @@ class Turn:
                     self.srv.host.close_session(s.id)
                 except Exception:  # noqa: BLE001 - closed meanwhile
                     pass
+            # Only now: a client that sends its next message as soon as this reply
+            # ends must find the session idle, to continue it (not open another).
+            if self.end is not None:
+                self.put(*self.end)
 
     def _relay(self, sid: str, target: str, index: int, n_prompt: int, n_out: int) -> None:
         """The session moved mid-reply: follow the rest of the turn from its new host."""
@@ -151,5 +157,5 @@ class Turn:
         if c.finish_reason == "error":
             raise SessionError(c.text or "the reply ended with an error")
         if c.finish_reason:
-            self.put("end", c.finish_reason, c.text, n_prompt, n_out)
+            self.end = ("end", c.finish_reason, c.text, n_prompt, n_out)
         return n_out

@@ -35,11 +35,22 @@ from collections import deque
 from typing import Any
 
 from .batch_attention import PackedCaches, RowCaches, install, install_packed
-from .errors import SessionError
+from .errors import ConfigError, SessionError
 from .speculation import Speculation
 
 
 _LIVE: "weakref.WeakSet[StepScheduler]" = weakref.WeakSet()
+
+
+def _open_trace(folder: str | None):
+    """KVFERRY_STEP_TRACE=DIR: one JSON line a step in DIR/steps-PID.jsonl (docs/performance.md)."""
+    if not folder:
+        return None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        return open(os.path.join(folder, f"steps-{os.getpid()}.jsonl"), "a", buffering=1)
+    except OSError as e:
+        raise ConfigError(f"KVFERRY_STEP_TRACE={folder}: cannot write a step trace there ({e.strerror})") from None
 
 
 @atexit.register
@@ -106,9 +117,7 @@ class StepScheduler(Speculation):
                       "speculated": 0, "speculation_hits": 0,
                       "resident_joins": 0, "resident_steps": 0}  # shared KV rows (kvferry.resident)
         self.last_rows = 0  # rows of the last decode step (a gauge)
-        # KVFERRY_STEP_TRACE=DIR: one JSON line a step in DIR/steps-PID.jsonl (docs/performance.md)
-        trace = os.environ.get("KVFERRY_STEP_TRACE")
-        self._trace = open(os.path.join(trace, f"steps-{os.getpid()}.jsonl"), "a", buffering=1) if trace else None
+        self._trace = _open_trace(os.environ.get("KVFERRY_STEP_TRACE"))
         self.thread = threading.Thread(target=self._run, daemon=True, name="kvferry-steps")
         self.thread.start()
         _LIVE.add(self)

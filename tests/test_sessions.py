@@ -215,6 +215,23 @@ def test_placement_runs_on_the_step_thread(tiny_model):
     assert reply(placed) == reply(load(str(tiny_model), progress=False))
 
 
+def test_step_trace_writes_a_line_per_step_and_refuses_a_bad_folder(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVFERRY_STEP_TRACE", str(tmp_path / "trace"))
+    h = ModelHost(str(tiny_model), progress=False)
+    try:
+        s = h.create_session(None, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        list(s.send("hello there"))
+    finally:
+        h.close()
+    lines = [json.loads(x) for f in (tmp_path / "trace").glob("steps-*.jsonl") for x in f.read_text().splitlines()]
+    assert any(x["prompts"] for x in lines) and sum(1 for x in lines if x["rows"]) >= 3
+    assert all({"t", "forward_ms", "guests_ms", "rows", "prompts"} <= set(x) for x in lines)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KVFERRY_STEP_TRACE", str(tmp_path / "file" / "x"))
+    with pytest.raises(ConfigError, match="KVFERRY_STEP_TRACE=.*cannot write a step trace there"):
+        ModelHost(str(tiny_model), progress=False)
+
+
 def test_not_a_chat_guest(host):
     from kvferry.guest import GuestError
 

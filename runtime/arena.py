@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import weakref
 
 import numpy as np
 from wasmtime import _bindings as _B
@@ -33,59 +34,80 @@ class Arena:
 
 
 class ArenaCreator:
-    """Engine-wide wasmtime memory creator routing each new memory to an Arena."""
+    """Engine-wide wasmtime memory creator routing each new memory to an Arena.
+
+    wasmtime keeps the creator's function pointers as long as the engine lives,
+    and a memory's as long as its store: both can outlive this object (a cached
+    module holds the engine; the garbage collector frees a cycle in any order).
+    So the C callbacks are module-level and immortal, find their creator and
+    arena through ``env`` keys, and an arena stays in ``_LIVE`` until wasmtime
+    itself finalizes its memory: the buffer never dies under a store.
+    """
 
     def __init__(self) -> None:
         self.arenas: dict[int, Arena] = {}
         self.pending: tuple[str, int] | None = None  # (guest name, cap) being instantiated
         self.error: str | None = None
-        self._ids = itertools.count(1)
-        self._new = _B.wasmtime_new_memory_callback_t(self._new_memory)
-        self._get = _B.wasmtime_memory_get_callback_t(self._get_memory)
-        self._grow = _B.wasmtime_memory_grow_callback_t(self._grow_memory)
-        self._fin = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self._finalize)
-        self._noop = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda env: None)
-        self.struct = _B.wasmtime_memory_creator(None, self._new, self._noop)
+        self.key = next(_ids)
+        _CREATORS[self.key] = self
+        self.struct = _B.wasmtime_memory_creator(self.key, _NEW, _NOOP)
 
-    @staticmethod
-    def _err(msg: str) -> int:
-        e = _B.wasmtime_error_new(msg.encode())
-        return ctypes.cast(e, ctypes.c_void_p).value or 0
 
-    def _new_memory(self, env, ty, minimum, maximum, reserved, guard, ret) -> int:
-        try:
-            if self.pending is None:
-                return self._err("kvferry: memory created outside a guest instantiation")
-            owner, cap = self.pending
-            size = min(cap, maximum)
-            if minimum > size:
-                self.error = (f"guest '{owner}' needs {minimum / 2**20:.1f} MiB of memory at start, "
-                              f"over its cap of {cap / 2**20:.1f} MiB")
-                return self._err(self.error)
-            arena = Arena(size, minimum, owner)
-            key = next(self._ids)
-            self.arenas[key] = arena
-            ret.contents.env = key
-            ret.contents.get_memory = self._get
-            ret.contents.grow_memory = self._grow
-            ret.contents.finalizer = self._fin
-            return 0
-        except Exception as e:  # never let a Python error unwind through wasmtime
-            return self._err(f"kvferry arena allocation failed: {e}")
+def _err(msg: str) -> int:
+    e = _B.wasmtime_error_new(msg.encode())
+    return ctypes.cast(e, ctypes.c_void_p).value or 0
 
-    def _get_memory(self, env, size_ptr, max_ptr) -> int:
-        a = self.arenas[env]
-        size_ptr[0] = a.size
-        max_ptr[0] = a.cap
-        return a.ptr
 
-    def _grow_memory(self, env, new_size) -> int:
-        a = self.arenas[env]
-        if new_size > a.cap:
-            a.refused_grow = new_size
-            return self._err(f"memory cap of {a.cap} bytes reached")
-        a.size = new_size  # bytes beyond the old size are still zero: the arena starts zeroed
+def _new_memory(env, ty, minimum, maximum, reserved, guard, ret) -> int:
+    try:
+        creator = _CREATORS.get(env or 0)
+        if creator is None or creator.pending is None:
+            return _err("kvferry: memory created outside a guest instantiation")
+        owner, cap = creator.pending
+        size = min(cap, maximum)
+        if minimum > size:
+            creator.error = (f"guest '{owner}' needs {minimum / 2**20:.1f} MiB of memory at start, "
+                             f"over its cap of {cap / 2**20:.1f} MiB")
+            return _err(creator.error)
+        arena = Arena(size, minimum, owner)
+        key = next(_ids)
+        _LIVE[key] = (arena, creator.arenas)
+        creator.arenas[key] = arena
+        ret.contents.env = key
+        ret.contents.get_memory = _GET
+        ret.contents.grow_memory = _GROW
+        ret.contents.finalizer = _FIN
         return 0
+    except Exception as e:  # never let a Python error unwind through wasmtime
+        return _err(f"kvferry arena allocation failed: {e}")
 
-    def _finalize(self, env) -> None:
-        self.arenas.pop(env, None)
+
+def _get_memory(env, size_ptr, max_ptr) -> int:
+    a = _LIVE[env][0]
+    size_ptr[0] = a.size
+    max_ptr[0] = a.cap
+    return a.ptr
+
+
+def _grow_memory(env, new_size) -> int:
+    a = _LIVE[env][0]
+    if new_size > a.cap:
+        a.refused_grow = new_size
+        return _err(f"memory cap of {a.cap} bytes reached")
+    a.size = new_size  # bytes beyond the old size are still zero: the arena starts zeroed
+    return 0
+
+
+def _finalize(env) -> None:
+    arena, home = _LIVE.pop(env, (None, {}))
+    home.pop(env, None)
+
+
+_ids = itertools.count(1)
+_CREATORS: "weakref.WeakValueDictionary[int, ArenaCreator]" = weakref.WeakValueDictionary()
+_LIVE: dict[int, tuple[Arena, dict[int, Arena]]] = {}  # memory key -> (arena, its creator's table)
+_NEW = _B.wasmtime_new_memory_callback_t(_new_memory)
+_GET = _B.wasmtime_memory_get_callback_t(_get_memory)
+_GROW = _B.wasmtime_memory_grow_callback_t(_grow_memory)
+_FIN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_finalize)
+_NOOP = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda env: None)

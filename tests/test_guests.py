@@ -127,6 +127,30 @@ def test_arena_per_guest_and_released(engine):
     assert mx.get_active_memory() <= active + (1 << 20)
 
 
+ENGINE_OUTLIVED = """
+import gc, time
+from kvferry.guest import GuestEngine
+engine = GuestEngine(None)
+module = engine.compile(b'(module (memory (export "memory") 1))')
+guest = engine.instantiate(module)
+kept, arena = module.module, guest.arena
+del guest, module, engine
+gc.collect(); time.sleep(0.3); gc.collect()  # the engine's ticker has let go of it
+del kept  # the last hold on wasmtime's engine: it finalizes its memory creator now
+gc.collect()
+print("alive", arena.cap)
+"""
+
+
+def test_a_compiled_module_may_outlive_its_engine():
+    """wasmtime calls the memory creator's finalizer when the *last* holder of its
+    engine goes, which may be a module kept after the GuestEngine was collected.
+    That call once jumped into a freed callback: a segfault, seen in CI."""
+    out = subprocess.run([sys.executable, "-c", ENGINE_OUTLIVED], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[0] == "alive"
+
+
 @pytest.fixture()
 def tramp(engine):
     g = engine.instantiate(engine.compile(TRAMPOLINE.encode(), "tramp"), "tramp")

@@ -69,13 +69,17 @@ class _Request:
     """Tokens a session needs run: a prompt (prefilled in chunks, its last token
     decoded in a batch) or one token to decode. Done when its logits are known, or
     for a driven decode when its guest has chosen the next token from them."""
-    __slots__ = ("session", "tokens", "n0", "done", "logits", "error", "driven", "token")
+    __slots__ = ("session", "tokens", "n0", "done", "logits", "error", "driven", "token", "fresh", "looked")
 
     def __init__(self, session: Any, tokens: list[int], driven: bool = False) -> None:
         self.session, self.tokens, self.n0 = session, tokens, len(tokens)
         self.done = threading.Event()
         self.logits = self.error = self.token = None
         self.driven = driven
+        # a new session's first prompt: it may start from a cached prefix, and is kept for others
+        self.fresh = (len(tokens) > 1 and not session.history and session.plain_kv()
+                      and session.cache[0].empty())
+        self.looked = False  # the prefix cache was asked for it
 
 
 class StepScheduler(Speculation):
@@ -263,7 +267,8 @@ class StepScheduler(Speculation):
                 self._depart(rows, prompts)
             if not rows and not prompts:
                 continue
-            plan = self._plan(rows, prompts)
+            self._reuse(prompts)
+            plan = self._plan(rows, [r for r in prompts if len(r.tokens) > 1])
             for req, chunk in plan:
                 req.tokens = req.tokens[len(chunk):]
                 if len(req.tokens) == 1:  # its last token joins the next decode batch
@@ -279,6 +284,8 @@ class StepScheduler(Speculation):
                         r.session.history.append(r.tokens[-1])  # (pre-copy reads both)
                     for req, chunk in plan:
                         req.session.history.extend(chunk)
+                        if req.fresh and len(req.tokens) == 1:  # its prompt is in: others may start from it
+                            self.host.prefix.keep(req.session)
                     self._guess(rows, plan, logits)
             except Exception as e:  # noqa: BLE001 - the sessions of this step hear it, the loop goes on
                 err = e if isinstance(e, SessionError) else SessionError(f"model step failed: {e}")
@@ -302,6 +309,27 @@ class StepScheduler(Speculation):
             with self.cv:  # the gather window opens once every row has its logits or its token
                 self._last = time.monotonic()
         self._fail(list(self.prefills) + list(self.decodes), SessionError("this host is shutting down"))
+
+    def _reuse(self, prompts: list[_Request]) -> None:
+        """New sessions' first prompts start from the longest prefix this host has
+        seen (kvferry.prefix_cache): what is left to prefill is their own part."""
+        fresh = [r for r in prompts if r.fresh and not r.looked]
+        if not fresh or not self.host.prefix.budget:
+            return
+        with self.host.compute:
+            for r in fresh:
+                r.looked = True
+                if r.session.closed or r.session.history:
+                    continue
+                n = self.host.prefix.fill(r.session, r.tokens)
+                if n:
+                    r.session.history.extend(r.tokens[:n])
+                    r.tokens = r.tokens[n:]
+                    r.n0 = len(r.tokens)  # a newcomer of its own length now (_plan)
+                    if len(r.tokens) == 1:
+                        with self.cv:
+                            self.prefills.remove(r)
+                            self.decodes.append(r)
 
     def _depart(self, rows: list[_Request], prompts: list[_Request]) -> None:
         """Sessions whose turn ended leave the resident buffers (their KV copied back),

@@ -68,7 +68,9 @@ def cmd_serve(a) -> int:
                                 "max_batch": a.max_batch, "max_queue": a.max_queue,
                                 "guest_step_ms": a.guest_step_ms, "step_tokens": a.step_tokens,
                                 "speculate": SPECULATE[a.speculate], "shared_kv": BATCH_KV[a.batch_kv],
-                                "drive_guests": GUEST_THREAD[a.guest_thread]}.items()
+                                "drive_guests": GUEST_THREAD[a.guest_thread],
+                                "prefix_cache_bytes": None if a.prefix_cache_mb is None
+                                else int(a.prefix_cache_mb * 1e6)}.items()
               if v is not None}
     HostPolicy(**policy)  # its one-line errors, here
     if a.cpus:
@@ -254,6 +256,9 @@ def register(sub, add: Callable) -> None:
     sv.add_argument("--guest-step-ms", type=float, metavar="MS", help="a guest's own time per step (sampling), "
                     f"at most (default {HostPolicy.guest_step_ms:g}); a step never waits longer for a guest, and "
                     "one over it ends its session with an error")
+    sv.add_argument("--prefix-cache-mb", type=float, metavar="MB", help="KV of recent prompts that new "
+                    "sessions start from when their prompt begins the same way, e.g. a system prompt (default "
+                    f"{HostPolicy.prefix_cache_bytes / 1e6:g}; 0: off; like vLLM's prefix caching)")
     sv.add_argument("--step-tokens", type=int, metavar="N", help="prompt tokens a step prefills beside its "
                     "decodes (default: adaptive, about half a decode step's time; like vLLM's chunked prefill)")
     sv.add_argument("--speculate", choices=tuple(SPECULATE), default="auto",

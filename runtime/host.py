@@ -13,6 +13,7 @@ from typing import Any
 from .abi import V1
 from .admission import Admission
 from .batching import StepScheduler
+from .prefix_cache import PrefixCache
 from .errors import ConfigError, GuestError, HostFullError, SessionExistsError, UnknownSessionError
 from .guest import GuestEngine, GuestModule
 from .guests import GUESTS_DIR
@@ -126,6 +127,7 @@ class ModelHost:
         self.metrics = HostMetrics(self)
         p = self.policy
         self.admission = Admission(p.max_batch, p.max_queue, self.max_kv_bytes, self.kv_bytes)
+        self.prefix = PrefixCache(p.prefix_cache_bytes)  # new sessions' shared prompt heads
         gpu = self.device.is_gpu
         drive = gpu if p.drive_guests is None else p.drive_guests
         # speculation hid the guests' sampling on their own threads; with the guests on the

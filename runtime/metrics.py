@@ -53,6 +53,12 @@ class _HostGauges:
             ("kvferry_kv_bytes", "KV cache bytes held by all sessions", h.kv_bytes()),
             ("kvferry_kv_budget_bytes", "KV cache bytes this host may hold (--max-kv-mb)", h.max_kv_bytes),
             ("kvferry_steps", "Forward passes run (a counter)", h.steps.stats["steps"]),
+            ("kvferry_prefix_cache_bytes", "KV bytes of recent prompts kept for new sessions (--prefix-cache-mb)",
+             h.prefix.bytes),
+            ("kvferry_prefix_cache_hits", "New sessions that started from a kept prompt prefix (a counter)",
+             h.prefix.stats["hits"]),
+            ("kvferry_prefix_cache_reused_tokens", "Prompt tokens not prefilled thanks to kept prefixes (a counter)",
+             h.prefix.stats["reused_tokens"]),
         ]
         for name, doc, v in values:
             g = GaugeMetricFamily(name, doc)

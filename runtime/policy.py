@@ -50,13 +50,15 @@ class HostPolicy:
     # their sessions' threads)
     shared_kv: bool | None = None  # decode rows' KV in one buffer per layer (kvferry.resident; None: on a GPU)
     drive_guests: bool | None = None  # decode steps call the guests on the step thread (None: on a GPU)
+    prefix_cache_bytes: int = 64_000_000  # recent prompts' KV that new sessions start from (0: off)
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_guest_bytes", "max_tokens", "max_message_bytes", "max_modules",
                      "max_concurrent_rpcs", "calls_per_key", "max_batch", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
-        for name in ("session_ttl_s", "unread_grace_s", "stream_idle_s", "kv_budget_bytes", "step_tokens"):
+        for name in ("session_ttl_s", "unread_grace_s", "stream_idle_s", "kv_budget_bytes", "step_tokens",
+                     "prefix_cache_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}")
         if not self.guest_step_ms > 0:

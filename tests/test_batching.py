@@ -140,6 +140,59 @@ def test_admission_queue_and_its_limit(smollm):
         h.close()
 
 
+def _turn_state(host, prompt, n=8, owner=""):
+    """One greedy reply in a new session: its tokens, history and KV (numpy)."""
+    import numpy as np
+
+    s = host.create_session(sampling=greedy(n), owner=owner)
+    tokens = [e.token for e in s.send(prompt) if e.token >= 0]
+    state = (tokens, list(s.history), [np.array(x) for c in s.cache for x in c.state])
+    host.close_session(s.id)
+    return state
+
+
+def test_new_sessions_start_from_a_kept_prompt_prefix_exactly(smollm):
+    """A second chat's shared template head comes from the first's KV, copied, and
+    gives the same tokens and the same KV bits as prefilling it (a host without reuse)."""
+    import numpy as np
+
+    kept = ModelHost(lm=smollm, progress=False)
+    plain = ModelHost(lm=smollm, progress=False, policy=HostPolicy(prefix_cache_bytes=0))
+    try:
+        _turn_state(kept, PROMPTS[0])
+        assert len(kept.prefix.entries) == 1 and kept.prefix.stats["hits"] == 0
+        got = _turn_state(kept, PROMPTS[1])
+        assert kept.prefix.stats["hits"] == 1 and kept.prefix.stats["reused_tokens"] >= 16
+        want = _turn_state(plain, PROMPTS[1])
+        assert plain.prefix.stats["hits"] == 0 and not plain.prefix.entries
+        assert got[:2] == want[:2]
+        assert all(np.array_equal(a, b) for a, b in zip(got[2], want[2]))
+        first = kept.steps.stats["prefill_tokens"]
+        _turn_state(kept, PROMPTS[1])  # the same prompt again: all but its last token reused
+        assert kept.steps.stats["prefill_tokens"] == first
+        _turn_state(kept, PROMPTS[1], owner="another-key")  # another client's prompts are not its to time
+        assert kept.prefix.stats["hits"] == 2 and kept.steps.stats["prefill_tokens"] > first
+        from prometheus_client import generate_latest
+
+        assert "kvferry_prefix_cache_hits 2.0" in generate_latest(kept.metrics.registry).decode()
+    finally:
+        kept.close()
+        plain.close()
+
+
+def test_kept_prefixes_stay_under_their_budget(smollm):
+    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(prefix_cache_bytes=4_000_000))
+    try:
+        for p in PROMPTS:  # each prompt's KV is ~1.2-1.5 MB in float32
+            _turn_state(h, p, n=2)
+            assert 0 < h.prefix.bytes <= 4_000_000
+        assert len(h.prefix.entries) < len(PROMPTS)  # the oldest went
+        assert list(h.prefix.entries)[-1] == ("", tuple(h.lm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROMPTS[-1]}], add_generation_prompt=True))[:-1])
+    finally:
+        h.close()
+
+
 def test_kv_budget_refuses_a_reply_that_cannot_fit(smollm):
     h = ModelHost(lm=smollm, progress=False, max_kv_bytes=2_000_000)
     try:

@@ -167,8 +167,11 @@ def cmd_bench_serve(a) -> int:
             raise KvferryError("--plot needs matplotlib: pip install 'kvferry[bench]'") from None
     if a.ttft_samples < 1:
         raise KvferryError("--ttft-samples must be at least 1")
+    if a.prefix_cache_mb is not None and a.prefix_cache_mb < 0:
+        raise KvferryError(f"--prefix-cache-mb must be >= 0, not {a.prefix_cache_mb:g}")
     r = run(a.model, tuple(a.sessions), a.tokens, a.long_prompt, progress=(lambda m: print(m, file=sys.stderr)),
-            http=a.http, ttft_samples=a.ttft_samples, batch_kv=a.batch_kv, guest_thread=a.guest_thread)
+            http=a.http, ttft_samples=a.ttft_samples, batch_kv=a.batch_kv, guest_thread=a.guest_thread,
+            prefix_cache_mb=a.prefix_cache_mb)
     if a.plot:
         plot(r, a.plot)
     if a.json:
@@ -290,6 +293,8 @@ def register(sub, add: Callable) -> None:
                     help="the served host's serve --batch-kv (default auto: shared on a GPU)")
     bs.add_argument("--guest-thread", choices=tuple(GUEST_THREAD), default="auto",
                     help="the served host's serve --guest-thread (default auto: step on a GPU)")
+    bs.add_argument("--prefix-cache-mb", type=float, metavar="MB", help="the served host's serve "
+                    "--prefix-cache-mb (default: serve's; 0: every prompt prefilled whole, as mlx-lm's column)")
     bs.add_argument("--tokens", type=int, default=64, help="tokens per turn (default 64)")
     bs.add_argument("--long-prompt", type=int, default=2000, help="the long prompt's tokens (default 2000)")
     bs.add_argument("--plot", metavar="PNG", help="draw throughput and TPOT against sessions")

@@ -36,6 +36,7 @@ from typing import Any
 
 from .batch_attention import PackedCaches, RowCaches, install, install_packed
 from .errors import ConfigError, SessionError
+from .prompt_budget import PromptBudget
 from .speculation import Speculation
 
 
@@ -113,8 +114,7 @@ class StepScheduler(Speculation):
         self.expect: set = set()  # sessions given logits by the last step and not back yet
         self.closed = False
         self._last = time.monotonic()
-        self._decode_s = 0.0  # EMA of a plain decode step's time
-        self._tokens = 16  # prompt tokens beside decodes, steered by _account
+        self.budget = PromptBudget()  # prompt tokens beside decodes, steered from step times
         self._late = False
         self.stats = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch_seen": 0,
                       "forward_s": 0.0,  # time in forward passes (the rest: guests and waiting)
@@ -217,13 +217,12 @@ class StepScheduler(Speculation):
         """The prompt chunks of this step, first come first served. With nobody
         decoding, up to ALONE_TOKENS (a chunk of ``prefill_step`` of each prompt, side
         by side where the model packs, as vLLM's ``max_num_batched_tokens``); beside
-        decodes, a token budget steered so a step takes ~1.5x a plain decode step
-        (TPOT p99 <= 2x p50), and
+        decodes, a token budget steered from step times (:mod:`kvferry.prompt_budget`), and
         short prompts whole on top (up to NEWCOMER_TOKENS where the model packs, else
         one), so a burst of newcomers joins in a step or two, not one a step."""
         plan = []
         alone = not (rows or self._late)  # nobody decoding: ALONE_TOKENS, several prompts if they pack
-        budget = ALONE_TOKENS if alone else self.step_tokens or self._tokens
+        budget = ALONE_TOKENS if alone else self.step_tokens or self.budget.tokens
         newcomers = NEWCOMER_TOKENS if self.packed else SHORT_PROMPT
         for req in prompts:
             left = len(req.tokens) - 1  # the last token is decoded in a batch
@@ -441,11 +440,5 @@ class StepScheduler(Speculation):
         s["max_batch_seen"] = max(s["max_batch_seen"], len(rows))
         self.last_rows = len(rows)
         s["forward_s"] += dt
-        if rows and not n_prompt:
-            self._decode_s = 0.8 * self._decode_s + 0.2 * dt if self._decode_s else dt
-        elif rows and self._decode_s and not self.step_tokens:  # steer the budget toward 1.5x a decode step
-            ratio = dt / self._decode_s
-            if ratio > 1.6:
-                self._tokens = max(4, int(self._tokens * 0.7))
-            elif ratio < 1.4:
-                self._tokens = min(4096, int(self._tokens * 1.25) + 1)
+        if not self.step_tokens:
+            self.budget.observe(len(rows), n_prompt, dt)

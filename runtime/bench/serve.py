@@ -117,6 +117,7 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
         for n in sessions:
             progress(f"kvferry serve: {n} concurrent sessions x {tokens} tokens")
             points.append(_point(_turns(srv.address, token, [_prompt(i) for i in range(n)], tokens)))
+            progress(f"  {points[-1]}")  # as it goes: a run cut short still reports what it measured
         progress(f"kvferry serve: {long_with} decoding while one client sends a {long_prompt}-token prompt")
         base = _point(_turns(srv.address, token, [_prompt(i) for i in range(long_with)], tokens))
         filler = " ".join(["The ferry crossed the strait at dawn."] * (long_prompt // 8))
@@ -140,12 +141,14 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
                 "tpot_ms_p50_without": base["tpot_ms_p50"], "tpot_ms_p99_during": round(_pct(gaps, 99) or 0, 2),
                 "prefill_s": round(long_done.get("end", 0) - long_done.get("start", 0), 2)}
         long["ratio_p99_during_over_p50_without"] = round(long["tpot_ms_p99_during"] / base["tpot_ms_p50"], 2)
+        progress(f"  {long}")
     finally:
         srv.stop()
     progress("mlx-lm BatchGenerator, same prompts and lengths")
     lm = load(model, progress=False)
     for p in points:
         p["mlx_lm_tps"] = mlx_lm_tps(lm, [_prompt(i) for i in range(p["sessions"])], tokens)
+        progress(f"  mlx-lm at {p['sessions']}: {p['mlx_lm_tps']} tok/s")
     from .consistency import consistency
 
     n = max(p["sessions"] for p in points)

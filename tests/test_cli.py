@@ -122,6 +122,7 @@ def test_bench_migrate_runs(smollm_dir):
     assert t["transfer_mb_s"] > 0 and len(t["transfer_mb_s_reps"]) == 2 and "transfer" in t["phases_ms"]
     assert t["grpc_ceiling_mb_s"] > 0 and len(t["grpc_ceiling_mb_s_reps"]) == 3 and t["transfer_over_ceiling"] > 0
     assert out["targets"]["transfer_mb_s_min"] == t["transfer_mb_s"] and out["device"]["kind"] == "cpu"
+    assert out["model"] == "SmolLM2-135M-Instruct"  # which model moved (the plot's title says it too)
 
 
 def test_bench_serve_runs_and_reports_every_key(smollm_dir):

@@ -126,8 +126,8 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
         b.stop()
     from ..device import current
 
-    return {"device": current().as_dict(), "rows": rows, "transfers": transfers,
-            "targets": _targets(rows, transfers)}
+    return {"device": current().as_dict(), "model": resolve(model, progress=False).name, "rows": rows,
+            "transfers": transfers, "targets": _targets(rows, transfers)}
 
 
 def transfer(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, n_ctx: int, reps: int) -> dict:
@@ -327,7 +327,7 @@ def plot(result: dict, path: str | Path) -> None:
     ax.set_xticks(ctxs, [str(c) for c in ctxs])
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("pause seen by the client (ms)")
-    ax.set_title("kvferry: moving a generating SmolLM2 conversation between hosts")
+    ax.set_title(f"kvferry: moving a generating conversation ({result.get('model', 'SmolLM2')})", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -9,6 +9,7 @@ from typing import Callable
 from ..console import print_json
 from ..errors import KvferryError
 from ..policy import BATCH_KV, GUEST_THREAD, SPECULATE
+from .shape import SHAPES
 
 
 def cmd_bench_cpu(a) -> int:
@@ -254,8 +255,9 @@ def register(sub, add: Callable) -> None:
                     help="only the raw transfer of an idle session (and re-prefill), no generating migrations")
     bm.add_argument("--plot", help="write a PNG figure (needs matplotlib)")
     bm.add_argument("--json", action="store_true")
-    bh = add(b, "shape", cmd_bench_shape, "install a random-weight model of a real model's dimensions (for timing)")
-    bh.add_argument("shape", choices=["llama-3.2-1b"])
+    bh = add(b, "shape", cmd_bench_shape, "install a random-weight model of a real model's dimensions (for "
+             "timing), or host-proxy: a tiny one whose forward pass is cheap, so a host's own work shows")
+    bh.add_argument("shape", choices=list(SHAPES))
     bh.add_argument("--name", help="its name in the model store (default: SHAPE-random)")
     bh.add_argument("--force", action="store_true", help="build it again")
     bh.add_argument("--json", action="store_true")

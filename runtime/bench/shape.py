@@ -20,6 +20,12 @@ SHAPES = {
                      "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 8192,
                      "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
                      "max_position_embeddings": 131072},
+    # A model so small (2 layers, width 64) that a host's own per-token work shows next
+    # to its forward pass, as on a fast GPU: profile the scheduler on a CPU with it.
+    "host-proxy": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+                   "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                   "max_position_embeddings": 8192},
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
                    "special_tokens_map.json", "vocab.json",

@@ -95,6 +95,10 @@ def shim_path() -> Path | None:
     return None
 
 
+def _preloaded() -> bool:
+    return "blas" in os.environ.get("LD_PRELOAD", "")
+
+
 def enable() -> dict:
     """Load an optimized BLAS into the global scope (idempotent). Returns status."""
     if _status["kind"] != "unset":
@@ -104,6 +108,11 @@ def enable() -> dict:
         _status.update(kind="accelerate", path=None)  # MLX on macOS uses Accelerate
     elif choice == "reference":
         _status.update(kind="reference", path=None)
+    elif "mlx.core" in sys.modules and not _preloaded():
+        # too late: libmlx already bound the reference BLAS it ships with
+        warnings.warn("kvferry: mlx was imported before kvferry, so MLX CPU matmuls keep the "
+                      "reference BLAS (~30x slower); import kvferry first", stacklevel=2)
+        _status.update(kind="reference", path=None, late=True)
     elif choice != "auto":
         if not _load(choice):
             warnings.warn(f"kvferry: KVFERRY_BLAS={choice} could not be loaded; "

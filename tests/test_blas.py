@@ -21,12 +21,17 @@ def test_shim_loaded_and_correct():
     assert np.allclose(np.array(mx.array(a) @ mx.array(b)), a @ b, atol=1e-3)
 
 
-def _sgemm_binding(env: dict) -> str:
+MATMUL = "mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))"
+
+
+def _sgemm_binding(env: dict, code: str = f"from kvferry import blas; blas.enable(); import mlx.core as mx; {MATMUL}",
+                   out_of: list | None = None) -> str:
     """What the dynamic linker bound libmlx.so's cblas_sgemm to (LD_DEBUG=bindings)."""
-    code = "from kvferry import blas; blas.enable(); import mlx.core as mx; mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, **env, "LD_DEBUG": "bindings"})
     assert out.returncode == 0, out.stderr[-2000:]
+    if out_of is not None:
+        out_of.append(out)
     lines = [l for l in out.stderr.splitlines() if "libmlx.so" in l and "`cblas_sgemm'" in l]
     assert lines, "no binding of cblas_sgemm seen"
     return lines[-1]
@@ -40,3 +45,20 @@ def test_libmlx_sgemm_binds_to_optimized_blas():
     assert "openblas" in fast or "kvferry_blas" in fast, fast
     ref = _sgemm_binding({**env, "KVFERRY_BLAS": "reference"})
     assert "libblas" in ref, ref
+
+
+def test_importing_kvferry_first_is_enough_and_importing_mlx_first_is_reported():
+    """`import kvferry` makes the first import of mlx.core load the BLAS before it (no
+    enable() call); mlx imported before kvferry keeps the reference BLAS, and
+    kvferry says so instead of reporting a BLAS MLX never calls."""
+    if not sys.platform.startswith("linux"):
+        return
+    env = {k: v for k, v in os.environ.items() if k not in ("KVFERRY_BLAS", "LD_PRELOAD")}
+    first = _sgemm_binding(env, f"import kvferry; import mlx.core as mx; {MATMUL}")
+    assert "openblas" in first or "kvferry_blas" in first, first
+    runs: list = []
+    late = _sgemm_binding(env, "import mlx.core as mx; from kvferry import blas; "
+                               f"print(blas.enable()['kind']); {MATMUL}", runs)
+    assert "libblas" in late, late
+    assert runs[0].stdout.split() == ["reference"]
+    assert "mlx was imported before kvferry" in runs[0].stderr

@@ -24,13 +24,15 @@ class Device:
     backend: str  # "cpu" | "cuda" | "metal"
     name: str  # what the device calls itself (e.g. "NVIDIA H200", "AMD EPYC")
     memory_gb: float | None  # the accelerator's memory; None on a CPU
+    blas: str = "unset"  # the BLAS MLX's CPU matmuls call (kvferry.blas): "reference" is ~30x slower
 
     @property
     def is_gpu(self) -> bool:
         return self.kind == "gpu"
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "backend": self.backend, "name": self.name, "memory_gb": self.memory_gb}
+        return {"kind": self.kind, "backend": self.backend, "name": self.name, "memory_gb": self.memory_gb,
+                "blas": self.blas}
 
     def __str__(self) -> str:
         mem = f", {self.memory_gb:.0f} GB" if self.memory_gb else ""
@@ -41,14 +43,17 @@ def current() -> Device:
     """The device MLX computes on by default in this process."""
     import mlx.core as mx
 
+    from .blas import enable
+
+    blas = enable()["kind"]  # (a no-op when importing mlx.core above already ran it)
     if mx.default_device() != mx.gpu:
         info = _info(mx, mx.cpu)
-        return Device("cpu", "cpu", str(info.get("device_name") or info.get("architecture") or "cpu"), None)
+        return Device("cpu", "cpu", str(info.get("device_name") or info.get("architecture") or "cpu"), None, blas)
     backend = "cuda" if _available(mx, "cuda") else "metal" if _available(mx, "metal") else "gpu"
     info = _info(mx, mx.gpu)
     mem = info.get("memory_size") or info.get("total_memory")
     return Device("gpu", backend, str(info.get("device_name") or backend),
-                  round(mem / 2**30, 1) if isinstance(mem, (int, float)) and mem else None)
+                  round(mem / 2**30, 1) if isinstance(mem, (int, float)) and mem else None, blas)
 
 
 def _available(mx, backend: str) -> bool:

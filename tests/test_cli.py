@@ -158,6 +158,8 @@ def test_bench_step_runs_and_reports_every_key(smollm_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert [p["rows"] for p in out["points"]] == [1, 2] and out["device"]["kind"] == "cpu"
+    # its own process imports MLX: the optimized BLAS must have loaded first (it once did not: 10x slower)
+    assert out["device"]["blas"] in ("openblas", "scipy-openblas", "custom"), out["device"]
     for p in out["points"]:
         assert all(p[k] > 0 for k in ("shared_ms", "per_session_ms", "mlx_lm_ms", "shared_over_mlx_lm"))
     bad = kvferry("bench", "step", "--rows", "0", timeout=120)

@@ -36,6 +36,7 @@ from typing import Any
 
 from .batch_attention import PackedCaches, RowCaches, install, install_packed
 from .errors import ConfigError, SessionError
+from .prefill_thread import PrefillThread, eligible
 from .prompt_budget import PromptBudget
 from .speculation import Speculation
 
@@ -88,7 +89,7 @@ class StepScheduler(Speculation):
 
     def __init__(self, host: Any, *, max_batch: int, guest_step_ms: float, step_tokens: int = 0,
                  speculate: bool = False, shared_kv: bool = False, split_prefill: bool = False,
-                 drive: bool = False) -> None:
+                 drive: bool = False, prefill_thread: bool = False) -> None:
         self.host = host
         self.drive = drive  # decode steps run the guests on this thread (guest_step)
         # A step with decode rows and prompt chunks: one pass over both (the weights read
@@ -122,6 +123,8 @@ class StepScheduler(Speculation):
                       "resident_joins": 0, "resident_steps": 0}  # shared KV rows (kvferry.resident)
         self.last_rows = 0  # rows of the last decode step (a gauge)
         self._trace = _open_trace(os.environ.get("KVFERRY_STEP_TRACE"))
+        # long prompts arriving beside decodes: prefilled on a thread of their own (kvferry.prefill_thread)
+        self.prefiller = PrefillThread(self) if prefill_thread else None
         self.thread = threading.Thread(target=self._run, daemon=True, name="kvferry-steps")
         self.thread.start()
         _LIVE.add(self)
@@ -196,7 +199,23 @@ class StepScheduler(Speculation):
         with self.cv:
             self.closed = True
             self.cv.notify_all()
+        if self.prefiller is not None:
+            self.prefiller.close()
         self.thread.join(timeout=5)
+
+    # -- the prefill thread's side ---------------------------------------------------
+    def decode_next(self, req: _Request) -> None:
+        """A prompt prefilled elsewhere: its last token joins the next decode batch."""
+        with self.cv:
+            if self.closed:
+                req.error = SessionError("this host is shutting down")
+                req.done.set()
+                return
+            self.decodes.append(req)
+            self.cv.notify_all()
+
+    def fail_request(self, req: _Request, err: Exception) -> None:
+        self._fail([req], err)
 
     # -- the step loop ---------------------------------------------------------------
     def _next(self) -> tuple[list[_Request], list[_Request]]:
@@ -267,6 +286,7 @@ class StepScheduler(Speculation):
             if not rows and not prompts:
                 continue
             self._reuse(prompts)
+            prompts = self._offload(rows, prompts)
             plan = self._plan(rows, [r for r in prompts if len(r.tokens) > 1])
             for req, chunk in plan:
                 req.tokens = req.tokens[len(chunk):]
@@ -329,6 +349,29 @@ class StepScheduler(Speculation):
                         with self.cv:
                             self.prefills.remove(r)
                             self.decodes.append(r)
+
+    def _offload(self, rows: list[_Request], prompts: list[_Request]) -> list[_Request]:
+        """Hand long prompts that arrive while others decode to the prefill thread
+        (their caches evaluated here first: only evaluated arrays cross threads);
+        returns the prompts left for this thread's steps."""
+        if self.prefiller is None or not (rows or self._late) or not prompts:
+            return prompts
+        import mlx.core as mx
+
+        keep = []
+        for r in prompts:
+            if len(r.tokens) - 1 <= SHORT_PROMPT or r.session.closed or not eligible(r.session):
+                keep.append(r)
+                continue
+            with self.cv:
+                self.prefills.remove(r)
+            try:
+                with self.host.compute:
+                    mx.eval([x for c in r.session.cache if c.offset for x in (c.keys, c.values)])
+                self.prefiller.submit(r)
+            except Exception as e:  # noqa: BLE001 - that session hears it
+                self._fail([r], e if isinstance(e, SessionError) else SessionError(f"prompt prefill failed: {e}"))
+        return keep
 
     def _depart(self, rows: list[_Request], prompts: list[_Request]) -> None:
         """Sessions whose turn ended leave the resident buffers (their KV copied back),

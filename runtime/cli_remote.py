@@ -10,7 +10,7 @@ from .params import DRAIN_TIMEOUT
 from .console import print_json
 from .errors import KvferryError
 from .params import MIGRATE_DEFAULTS, MIGRATE_MODES  # noqa: I001
-from .policy import BATCH_KV, GUEST_THREAD, SPECULATE, HostPolicy
+from .policy import BATCH_KV, GUEST_THREAD, PREFILL_THREAD, SPECULATE, HostPolicy
 
 DEFAULT_HOST = "127.0.0.1:50051"
 
@@ -69,6 +69,7 @@ def cmd_serve(a) -> int:
                                 "guest_step_ms": a.guest_step_ms, "step_tokens": a.step_tokens,
                                 "speculate": SPECULATE[a.speculate], "shared_kv": BATCH_KV[a.batch_kv],
                                 "drive_guests": GUEST_THREAD[a.guest_thread],
+                                "prefill_thread": PREFILL_THREAD[a.prefill_thread],
                                 "prefix_cache_bytes": None if a.prefix_cache_mb is None
                                 else int(a.prefix_cache_mb * 1e6)}.items()
               if v is not None}
@@ -272,6 +273,9 @@ def register(sub, add: Callable) -> None:
     sv.add_argument("--guest-thread", choices=tuple(GUEST_THREAD), default="auto",
                     help="where a decode step's guests sample: on the host's step thread, one after another "
                          "(one thread switch a token) or each on its session's thread; auto: step on a GPU")
+    sv.add_argument("--prefill-thread", choices=tuple(PREFILL_THREAD), default="auto",
+                    help="prefill a long prompt that arrives while others decode on a thread of its own, beside "
+                         "the decode steps, instead of in chunks inside them; auto: on a GPU")
     sv.add_argument("--no-auth", action="store_true", help="no token (loopback addresses only)")
     sv.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or an embedded Ray)")
     sv.add_argument("--threads", type=int, help="CPU threads for the model's matrix products (like llama.cpp "

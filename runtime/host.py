@@ -136,7 +136,8 @@ class ModelHost:
                                    step_tokens=p.step_tokens,
                                    speculate=gpu and not drive if p.speculate is None else p.speculate,
                                    shared_kv=gpu if p.shared_kv is None else p.shared_kv,
-                                   split_prefill=gpu, drive=drive)
+                                   split_prefill=gpu, drive=drive,
+                                   prefill_thread=gpu if p.prefill_thread is None else p.prefill_thread)
 
     def warm(self) -> None:
         """Three short guest-driven replies at once through the step scheduler (solo

@@ -60,6 +60,9 @@ class _HostGauges:
             ("kvferry_prefix_cache_reused_tokens", "Prompt tokens not prefilled thanks to kept prefixes (a counter)",
              h.prefix.stats["reused_tokens"]),
         ]
+        if h.steps.prefiller is not None:  # serve --prefill-thread
+            values.append(("kvferry_prefill_thread_tokens", "Prompt tokens prefilled on the prefill thread, "
+                           "beside the decode steps (a counter)", h.steps.prefiller.stats["tokens"]))
         for name, doc, v in values:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(v))

@@ -26,6 +26,7 @@ def machine_memory() -> int:
 SPECULATE = {"auto": None, "on": True, "off": False}  # --speculate -> HostPolicy.speculate
 BATCH_KV = {"auto": None, "shared": True, "per-session": False}  # --batch-kv -> HostPolicy.shared_kv
 GUEST_THREAD = {"auto": None, "step": True, "session": False}  # --guest-thread -> HostPolicy.drive_guests
+PREFILL_THREAD = {"auto": None, "on": True, "off": False}  # --prefill-thread -> HostPolicy.prefill_thread
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class HostPolicy:
     # their sessions' threads)
     shared_kv: bool | None = None  # decode rows' KV in one buffer per layer (kvferry.resident; None: on a GPU)
     drive_guests: bool | None = None  # decode steps call the guests on the step thread (None: on a GPU)
+    prefill_thread: bool | None = None  # long prompts beside decodes prefilled on their own thread (None: on a GPU)
     prefix_cache_bytes: int = 64_000_000  # recent prompts' KV that new sessions start from (0: off)
 
     def __post_init__(self) -> None:

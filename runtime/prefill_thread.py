@@ -1,0 +1,148 @@
+"""Long prompts prefilled beside the decode steps, on a thread of their own.
+
+In-step chunking (:mod:`kvferry.batching`) puts a prompt chunk into a decode step.
+On a GPU a prompt pass is launch-bound: it costs about 2x a decode step whatever
+its size (docs/performance.md), so every step that carries a chunk is slow for
+every decoder. Here a long prompt that arrives while others decode is prefilled by
+a second thread instead. MLX gives each thread its own stream, so the GPU runs
+the chunks beside the decode steps, and ``mx.eval`` releases the GIL, so the step
+thread never waits for them (vLLM splits prefill from decode for the same reason).
+
+The chunks go into private copies of the session's caches, which are published
+with the history under the compute lock once the prompt is in. A pre-copy or a
+checkpoint therefore never sees a half-built cache: only arrays that are already
+evaluated ever cross threads. The prompt's last token then joins a decode batch,
+as an in-step prompt's does.
+
+On by default on a GPU (``serve --prefill-thread``). On a CPU the two threads
+would share the same cores, so in-step chunks stay the default there.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from .errors import SessionError
+
+# CPython hands the GIL to a waiting thread only every switch interval (5 ms by
+# default): a decode step waiting for it behind this thread's Python took 11.8 ms
+# instead of 6.1 on an H200, and 5.4 ms with 0.5 ms (docs/performance.md)
+SWITCH_S = 0.0005
+
+
+def eligible(session: Any) -> bool:
+    """Plain mlx-lm ``KVCache`` layers only (not resident rows, sliding or quantized
+    caches): those are what a private copy can stand in for."""
+    from mlx_lm.models.cache import KVCache
+
+    return bool(session.cache) and all(type(c) is KVCache for c in session.cache)
+
+
+def _copy(caches: list) -> list:
+    """Private caches holding the same tokens (new buffers: nothing shared that
+    the prefill could write through)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for c in caches:
+        p = KVCache()
+        if c.offset:
+            p.update_and_fetch(c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
+        out.append(p)
+    mx.eval([x for p in out if p.offset for x in (p.keys, p.values)])
+    return out
+
+
+class PrefillThread:
+    """One host's prefill thread. :meth:`submit` takes a prompt request of the
+    step scheduler (all its tokens but the last, which the scheduler decodes); the
+    request goes back to the scheduler's decode queue when its prompt is in."""
+
+    def __init__(self, steps: Any) -> None:
+        self.steps = steps
+        self.cv = threading.Condition()
+        self.queue: deque = deque()
+        self.closed = False
+        self.busy = None  # the request being prefilled
+        self.stats = {"prompts": 0, "tokens": 0, "seconds": 0.0}
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_S))  # (process-wide)
+        self.thread = threading.Thread(target=self._run, daemon=True, name="kvferry-prefill")
+        self.thread.start()
+
+    def submit(self, req: Any) -> None:
+        with self.cv:
+            if self.closed:
+                raise SessionError("this host is shutting down")
+            self.queue.append(req)
+            self.cv.notify_all()
+
+    def pending(self) -> int:
+        with self.cv:
+            return len(self.queue) + (self.busy is not None)
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+        self.thread.join(timeout=5)
+
+    def _run(self) -> None:
+        import mlx.core as mx
+
+        try:
+            while True:
+                with self.cv:
+                    while not (self.queue or self.closed):
+                        self.cv.wait()
+                    if self.closed:
+                        break
+                    req = self.busy = self.queue.popleft()
+                try:
+                    self._prefill(req)
+                except Exception as e:  # noqa: BLE001 - that session hears it; the thread goes on
+                    err = e if isinstance(e, SessionError) else SessionError(f"prompt prefill failed: {e}")
+                    self.steps.fail_request(req, err)
+                finally:
+                    with self.cv:
+                        self.busy = None
+        finally:
+            with self.cv:
+                left, self.queue = list(self.queue), deque()
+            for req in left:
+                self.steps.fail_request(req, SessionError("this host is shutting down"))
+            mx.clear_streams()  # this thread's MLX streams go with it (see StepScheduler._run)
+
+    def _prefill(self, req: Any) -> None:
+        import mlx.core as mx
+
+        s, host = req.session, self.steps.host
+        model = host.lm.model
+        body = getattr(model, "model", None) if self.steps.packed else None  # no vocabulary projection
+        tokens = req.tokens[:-1]
+        t0 = time.perf_counter()
+        with host.compute:  # the session's caches, evaluated by the step thread before it handed them over
+            caches = _copy(s.cache)
+        step = max(1, s.options.prefill_step)
+        for at in range(0, len(tokens), step):
+            if s.closed or self.closed:
+                raise SessionError("the session was closed during its prompt")
+            (body or model)(mx.array(tokens[at:at + step], dtype=mx.int32)[None], cache=caches)
+            mx.eval([x for c in caches for x in (c.keys, c.values)])  # the GIL is free meanwhile
+        with host.compute:  # the history moves with the cache (pre-copy reads both under it)
+            if s.closed:
+                raise SessionError("the session was closed during its prompt")
+            for c, p in zip(s.cache, caches):
+                c.keys, c.values, c.offset = p.keys, p.values, p.offset
+            s.history.extend(tokens)
+            req.tokens = req.tokens[-1:]
+            if req.fresh:  # its prompt is in: others may start from it (kvferry.prefix_cache)
+                host.prefix.keep(s)
+        self.stats["prompts"] += 1
+        self.stats["tokens"] += len(tokens)
+        self.stats["seconds"] += time.perf_counter() - t0
+        self.steps.decode_next(req)

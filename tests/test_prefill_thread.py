@@ -1,6 +1,7 @@
 """Long prompts prefilled on the host's prefill thread while others decode
 (kvferry.prefill_thread; a GPU host's default, forced on here on the CPU)."""
 
+import sys
 import threading
 import time
 
@@ -24,12 +25,14 @@ def greedy(n):
 def host(smollm):
     """The GPU's defaults (shared KV rows, guests on the step thread, the prefill
     thread), no prompt reuse: every prompt is prefilled whole."""
+    interval = sys.getswitchinterval()  # the prefill thread sets it process-wide: the suite's later tests get it back
     h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(
         max_batch=8, shared_kv=True, drive_guests=True, prefill_thread=True, prefix_cache_bytes=0))
     assert h.steps.prefiller is not None
     assert ModelHost(lm=smollm, progress=False).steps.prefiller is None  # off by default on a CPU
     yield h
     h.close()
+    sys.setswitchinterval(interval)
 
 
 def reply(host, session, text):

@@ -36,7 +36,7 @@ from typing import Any
 
 from .batch_attention import PackedCaches, RowCaches, install, install_packed
 from .errors import ConfigError, SessionError
-from .prefill_thread import PrefillThread, eligible
+from .prefill_thread import PrefillThread, eligible, private_copy
 from .prompt_budget import PromptBudget
 from .speculation import Speculation
 
@@ -207,12 +207,11 @@ class StepScheduler(Speculation):
     def decode_next(self, req: _Request) -> None:
         """A prompt prefilled elsewhere: its last token joins the next decode batch."""
         with self.cv:
-            if self.closed:
-                req.error = SessionError("this host is shutting down")
-                req.done.set()
+            if not self.closed:
+                self.decodes.append(req)
+                self.cv.notify_all()
                 return
-            self.decodes.append(req)
-            self.cv.notify_all()
+        self._fail([req], SessionError("this host is shutting down"))
 
     def fail_request(self, req: _Request, err: Exception) -> None:
         self._fail([req], err)
@@ -351,13 +350,11 @@ class StepScheduler(Speculation):
                             self.decodes.append(r)
 
     def _offload(self, rows: list[_Request], prompts: list[_Request]) -> list[_Request]:
-        """Hand long prompts that arrive while others decode to the prefill thread
-        (their caches evaluated here first: only evaluated arrays cross threads);
-        returns the prompts left for this thread's steps."""
+        """Hand long prompts that arrive while others decode to the prefill thread,
+        each with a private copy of its caches made here; returns the prompts left
+        for this thread's steps."""
         if self.prefiller is None or not (rows or self._late) or not prompts:
             return prompts
-        import mlx.core as mx
-
         keep = []
         for r in prompts:
             if len(r.tokens) - 1 <= SHORT_PROMPT or r.session.closed or not eligible(r.session):
@@ -367,8 +364,8 @@ class StepScheduler(Speculation):
                 self.prefills.remove(r)
             try:
                 with self.host.compute:
-                    mx.eval([x for c in r.session.cache if c.offset for x in (c.keys, c.values)])
-                self.prefiller.submit(r)
+                    caches = private_copy(r.session.cache)
+                self.prefiller.submit(r, caches)
             except Exception as e:  # noqa: BLE001 - that session hears it
                 self._fail([r], e if isinstance(e, SessionError) else SessionError(f"prompt prefill failed: {e}"))
         return keep

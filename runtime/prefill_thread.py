@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from collections import deque
 from typing import Any
 
@@ -42,9 +41,11 @@ def eligible(session: Any) -> bool:
     return bool(session.cache) and all(type(c) is KVCache for c in session.cache)
 
 
-def _copy(caches: list) -> list:
-    """Private caches holding the same tokens (new buffers: nothing shared that
-    the prefill could write through)."""
+def private_copy(caches: list) -> list:
+    """Private caches holding the same tokens, evaluated (new buffers: nothing
+    shared that the prefill could write through). Made on the step thread, under
+    the compute lock: its evaluation also settles any lazy op on the session's
+    caches there (a prefix filled in), so only evaluated arrays cross threads."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
@@ -60,30 +61,27 @@ def _copy(caches: list) -> list:
 
 class PrefillThread:
     """One host's prefill thread. :meth:`submit` takes a prompt request of the
-    step scheduler (all its tokens but the last, which the scheduler decodes); the
-    request goes back to the scheduler's decode queue when its prompt is in."""
+    step scheduler (all its tokens but the last, which the scheduler decodes) with
+    its session's :func:`private_copy`; the request goes back to the scheduler's
+    decode queue when its prompt is in."""
 
     def __init__(self, steps: Any) -> None:
         self.steps = steps
         self.cv = threading.Condition()
         self.queue: deque = deque()
         self.closed = False
-        self.busy = None  # the request being prefilled
-        self.stats = {"prompts": 0, "tokens": 0, "seconds": 0.0}
+        self.busy = None  # the request being prefilled, with its caches
+        self.stats = {"prompts": 0, "tokens": 0}
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_S))  # (process-wide)
         self.thread = threading.Thread(target=self._run, daemon=True, name="kvferry-prefill")
         self.thread.start()
 
-    def submit(self, req: Any) -> None:
+    def submit(self, req: Any, caches: list) -> None:
         with self.cv:
             if self.closed:
                 raise SessionError("this host is shutting down")
-            self.queue.append(req)
+            self.queue.append((req, caches))
             self.cv.notify_all()
-
-    def pending(self) -> int:
-        with self.cv:
-            return len(self.queue) + (self.busy is not None)
 
     def close(self) -> None:
         with self.cv:
@@ -101,9 +99,9 @@ class PrefillThread:
                         self.cv.wait()
                     if self.closed:
                         break
-                    req = self.busy = self.queue.popleft()
+                    req, caches = self.busy = self.queue.popleft()
                 try:
-                    self._prefill(req)
+                    self._prefill(req, caches)
                 except Exception as e:  # noqa: BLE001 - that session hears it; the thread goes on
                     err = e if isinstance(e, SessionError) else SessionError(f"prompt prefill failed: {e}")
                     self.steps.fail_request(req, err)
@@ -113,20 +111,17 @@ class PrefillThread:
         finally:
             with self.cv:
                 left, self.queue = list(self.queue), deque()
-            for req in left:
+            for req, _ in left:
                 self.steps.fail_request(req, SessionError("this host is shutting down"))
             mx.clear_streams()  # this thread's MLX streams go with it (see StepScheduler._run)
 
-    def _prefill(self, req: Any) -> None:
+    def _prefill(self, req: Any, caches: list) -> None:
         import mlx.core as mx
 
         s, host = req.session, self.steps.host
         model = host.lm.model
         body = getattr(model, "model", None) if self.steps.packed else None  # no vocabulary projection
         tokens = req.tokens[:-1]
-        t0 = time.perf_counter()
-        with host.compute:  # the session's caches, evaluated by the step thread before it handed them over
-            caches = _copy(s.cache)
         step = max(1, s.options.prefill_step)
         for at in range(0, len(tokens), step):
             if s.closed or self.closed:
@@ -144,5 +139,4 @@ class PrefillThread:
                 host.prefix.keep(s)
         self.stats["prompts"] += 1
         self.stats["tokens"] += len(tokens)
-        self.stats["seconds"] += time.perf_counter() - t0
         self.steps.decode_next(req)

@@ -29,7 +29,9 @@ def host(smollm):
     h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(
         max_batch=8, shared_kv=True, drive_guests=True, prefill_thread=True, prefix_cache_bytes=0))
     assert h.steps.prefiller is not None
-    assert ModelHost(lm=smollm, progress=False).steps.prefiller is None  # off by default on a CPU
+    cpu_default = ModelHost(lm=smollm, progress=False)
+    assert cpu_default.steps.prefiller is None  # off by default on a CPU
+    cpu_default.close()
     yield h
     h.close()
     sys.setswitchinterval(interval)

@@ -1,6 +1,6 @@
 """What slows a decode step while another thread of the same process works?
 
-    python bench/decode_contention.py [--steps 150] [--json]
+    python bench/decode_contention.py [--steps 150] [--host-logits] [--only CASE ...] [--json]
 
 One thread runs decode steps of 4 rows (SmolLM2 as this device's policy loads
 it) and times each; another thread, in turn, does nothing, prefills 128-token
@@ -27,11 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=150, help="timed decode steps per figure")
+    ap.add_argument("--host-logits", action="store_true",
+                    help="read each row's logits on the host after a step, as served guests do")
+    ap.add_argument("--only", nargs="+", help="only these cases (nothing prefill matmul python launches)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
     import kvferry  # noqa: F401  (the BLAS and the CUDA attention settings first)
     import mlx.core as mx
+    import numpy as np
     from mlx_lm.models.cache import KVCache
 
     from kvferry.device import current
@@ -50,7 +54,14 @@ def main() -> None:
         c, tok, out = caches(), mx.array([[7]] * 4), []
         for _ in range(n):
             t0 = time.perf_counter()
-            mx.eval(model(tok, cache=c))
+            logits = model(tok, cache=c)
+            if a.host_logits:  # float32 rows a guest's kv_logits reads through numpy
+                rows = logits[:, -1].astype(mx.float32)
+                mx.eval(rows)
+                for i in range(rows.shape[0]):
+                    np.array(rows[i], copy=False).argmax()
+            else:
+                mx.eval(logits)
             out.append((time.perf_counter() - t0) * 1e3)
             if c[0].offset > 1500:
                 c = caches()
@@ -104,10 +115,12 @@ def main() -> None:
                   f"  p90 {row['p90_ms']:6.2f}  max {row['max_ms']:6.2f} ms", flush=True)
         return row
 
-    rows = [measure(label, w) for label, w in [("nothing", None), ("prefill", prefill), ("matmul", matmul),
-                                               ("python", python), ("launches", launches)]]
+    cases = [(label, w) for label, w in [("nothing", None), ("prefill", prefill), ("matmul", matmul),
+                                         ("python", python), ("launches", launches)]
+             if not a.only or label in a.only]
+    rows = [measure(label, w) for label, w in cases]
     sys.setswitchinterval(0.0005)
-    rows += [measure("prefill", prefill), measure("python", python)]
+    rows += [measure(label, w) for label, w in cases if label in ("prefill", "python")]
     if a.json:
         print(json.dumps({"device": current().as_dict(), "rows": rows}, indent=1))
 

@@ -129,8 +129,11 @@ class SessionHost:
             self.http = HttpFront(self.srv, bind.rpartition(":")[0], http_port,
                                   metrics_public=metrics_public).start()
         ray.get(self.ctl.register_host.remote(self.srv.address, self.host.lm.name, node))
-        log.info("host up on %s (model %s%s)", self.srv.address, self.host.lm.name,
-                 f", HTTP on {self.http.address}" if self.http else "")
+        from .collector import freeze
+
+        frozen = freeze()  # what start-up made lives as long as the host: full collections skip it
+        log.info("host up on %s (model %s%s; %d start-up objects frozen out of the collector)", self.srv.address,
+                 self.host.lm.name, f", HTTP on {self.http.address}" if self.http else "", frozen)
         self._stop = threading.Event()
         threading.Thread(target=self._beat, daemon=True).start()
 

@@ -17,6 +17,7 @@ from .prefix_cache import PrefixCache
 from .errors import ConfigError, GuestError, HostFullError, SessionExistsError, UnknownSessionError
 from .guest import GuestEngine, GuestModule
 from .guests import GUESTS_DIR
+from .collector import PauseClock
 from .metrics import HostMetrics
 from .device import current
 from .models import LoadedModel, load
@@ -125,6 +126,7 @@ class ModelHost:
         self.max_kv_bytes = max_kv_bytes or self.policy.kv_budget_bytes  # restored / migrated-in KV
         self.kv_reserved = 0  # KV bytes promised to restores in flight (under self.lock)
         self.metrics = HostMetrics(self)
+        self.gc_clock = PauseClock(lambda gen, s: self.metrics.gc_pause.labels(str(gen)).observe(s)).install()
         p = self.policy
         self.admission = Admission(p.max_batch, p.max_queue, self.max_kv_bytes, self.kv_bytes)
         self.prefix = PrefixCache(p.prefix_cache_bytes)  # new sessions' shared prompt heads
@@ -270,6 +272,7 @@ class ModelHost:
             self.close_session(sid)
         self.steps.close()
         self.engine.close()
+        self.gc_clock.remove()
 
     def kv_bytes(self) -> int:
         """KV cache bytes held by all sessions."""

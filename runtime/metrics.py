@@ -8,12 +8,14 @@ host actors are scraped on their own addresses, like any other server.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+GC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
 
 
 class HostMetrics:
@@ -31,6 +33,9 @@ class HostMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.pause = Histogram("kvferry_migration_pause_seconds", "A migration's pause (its last stage)",
                                buckets=LATENCY_BUCKETS, registry=r)
+        self.gc_pause = Histogram("kvferry_gc_pause_seconds", "Python garbage collections in the host's process "
+                                  "(every thread waits for one), by generation", ["generation"],
+                                  buckets=GC_BUCKETS, registry=r)
         for outcome in ("started", "committed", "failed"):
             self.migrations.labels(outcome)
         r.register(_HostGauges(host))
@@ -59,6 +64,8 @@ class _HostGauges:
              h.prefix.stats["hits"]),
             ("kvferry_prefix_cache_reused_tokens", "Prompt tokens not prefilled thanks to kept prefixes (a counter)",
              h.prefix.stats["reused_tokens"]),
+            ("kvferry_gc_frozen_objects", "Start-up objects the garbage collector skips (kvferry.collector)",
+             gc.get_freeze_count()),
         ]
         if h.steps.prefiller is not None:  # serve --prefill-thread
             values.append(("kvferry_prefill_thread_tokens", "Prompt tokens prefilled on the prefill thread, "

@@ -172,6 +172,9 @@ def test_health_and_metrics(hosts, oai):
     assert metric(base, "kvferry_generated_tokens_total") >= before + 5
     assert metric(base, "kvferry_time_to_first_token_seconds_count") >= 1
     assert metric(base, "kvferry_sessions") >= 1 and metric(base, "kvferry_kv_bytes") > 0
+    # the host froze its start-up heap (Ray, gRPC, mlx-lm: tens of thousands of objects) and times collections
+    assert metric(base, "kvferry_gc_frozen_objects") > 10_000
+    assert metric(base, "kvferry_gc_pause_seconds_count") >= 1
 
 
 def test_a_stream_survives_a_live_migration_of_its_session(hosts):

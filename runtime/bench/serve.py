@@ -98,6 +98,7 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
         long_prompt: int = 2000, long_with: int = 4, progress=print, http: bool = False,
         ttft_samples: int = 20, batch_kv: str = "auto", guest_thread: str = "auto",
         prefix_cache_mb: float | None = None, prefill_thread: str = "auto") -> dict:
+    from ..collector import freeze
     from ..models import load
     from ..sdk import Client
 
@@ -114,6 +115,7 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
             progress(f"HTTP against gRPC: TTFT (median of {ttft_samples}) and {max(sessions)} concurrent streams")
             http_vs_grpc = compare(srv.address, srv.http, token, ttft_samples, max(sessions), tokens)
         _turns(srv.address, token, [_prompt(0)], 8)  # warm-up
+        freeze()  # this client's own full collections (50-70 ms here) would read as the host's slow tokens
         for n in sessions:
             progress(f"kvferry serve: {n} concurrent sessions x {tokens} tokens")
             points.append(_point(_turns(srv.address, token, [_prompt(i) for i in range(n)], tokens)))

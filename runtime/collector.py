@@ -1,0 +1,61 @@
+"""Python's garbage collector on a host: the start-up heap frozen, pauses timed.
+
+A full (generation 2) collection stops every Python thread while it walks every
+object the collector tracks. A host holds ~90,000 of them once Ray, gRPC, mlx-lm
+and the tokenizer are loaded. On this 2-core CPU one such pass took 35-109 ms, and
+a host actor ran four in a 35 s ``kvferry bench serve`` run: a decode step that
+meets one waits for it, and so does every stream (docs/performance.md).
+
+Those objects live as long as the host. :func:`freeze`, once the host has started
+and warmed up, moves them to the permanent generation that collections skip (as
+vLLM and SGLang do after their warm-up), so a later collection walks only what
+sessions made since. :class:`PauseClock` times every collection for the host's
+metrics (``kvferry_gc_pause_seconds``), so an operator can see what is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+from typing import Callable
+
+log = logging.getLogger("kvferry.collector")
+LONG_PAUSE_S = 0.02  # a collection longer than this is logged: it shows in some reply's token times
+
+
+def freeze() -> int:
+    """Collect once, then freeze what survives (process-wide); returns how many
+    objects the collector now skips."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+class PauseClock:
+    """A ``gc.callbacks`` entry: ``observe(generation, seconds)`` after every
+    collection, and a warning for one over LONG_PAUSE_S. Collections run one at
+    a time (under the GIL), so one start time does."""
+
+    def __init__(self, observe: Callable[[int, float], None]) -> None:
+        self.observe = observe
+        self._t0: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            seconds, self._t0 = time.perf_counter() - self._t0, None
+            self.observe(info["generation"], seconds)
+            if seconds >= LONG_PAUSE_S:
+                log.warning("a garbage collection (generation %d) paused every thread for %.0f ms",
+                            info["generation"], seconds * 1e3)
+
+    def install(self) -> "PauseClock":
+        gc.callbacks.append(self)
+        return self
+
+    def remove(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self)

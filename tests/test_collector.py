@@ -1,0 +1,31 @@
+"""kvferry.collector: the garbage collector's pauses timed, the start-up heap frozen."""
+
+import gc
+
+from kvferry.collector import PauseClock, freeze
+
+
+def test_the_pause_clock_times_each_collection_by_generation_until_removed():
+    seen = []
+    clock = PauseClock(lambda gen, s: seen.append((gen, s))).install()
+    try:
+        gc.collect(1)
+        gc.collect()
+    finally:
+        clock.remove()
+    assert [g for g, _ in seen][-2:] == [1, 2] and all(s >= 0 for _, s in seen)
+    n = len(seen)
+    gc.collect()
+    clock.remove()  # twice: no error
+    assert len(seen) == n
+
+
+def test_freeze_moves_what_lives_now_out_of_later_collections():
+    kept = [{"i": i} for i in range(20_000)]  # tracked objects a host keeps for its lifetime
+    try:
+        frozen = freeze()
+        assert frozen >= len(kept) and gc.get_freeze_count() == frozen
+        assert not any(gc.is_tracked(o) and o in gc.get_objects(generation=2) for o in kept[:3])
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0 and len(kept) == 20_000

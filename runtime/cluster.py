@@ -132,6 +132,7 @@ class SessionHost:
         from .collector import freeze
 
         frozen = freeze()  # what start-up made lives as long as the host: full collections skip it
+        self.host.gc_clock.warn = True  # a long collection shows in some reply's token times: log it
         log.info("host up on %s (model %s%s; %d start-up objects frozen out of the collector)", self.srv.address,
                  self.host.lm.name, f", HTTP on {self.http.address}" if self.http else "", frozen)
         self._stop = threading.Event()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import sys
 import time
 from typing import Callable
 
@@ -35,11 +36,13 @@ def freeze() -> int:
 
 class PauseClock:
     """A ``gc.callbacks`` entry: ``observe(generation, seconds)`` after every
-    collection, and a warning for one over LONG_PAUSE_S. Collections run one at
-    a time (under the GIL), so one start time does."""
+    collection, and with ``warn`` (a served host, whose log is set up) a warning
+    for one over LONG_PAUSE_S. A CLI keeps it off: its stderr carries one-line
+    errors. Collections run one at a time (under the GIL), so one start time does."""
 
-    def __init__(self, observe: Callable[[int, float], None]) -> None:
+    def __init__(self, observe: Callable[[int, float], None], warn: bool = False) -> None:
         self.observe = observe
+        self.warn = warn
         self._t0: float | None = None
 
     def __call__(self, phase: str, info: dict) -> None:
@@ -48,7 +51,7 @@ class PauseClock:
         elif self._t0 is not None:
             seconds, self._t0 = time.perf_counter() - self._t0, None
             self.observe(info["generation"], seconds)
-            if seconds >= LONG_PAUSE_S:
+            if self.warn and seconds >= LONG_PAUSE_S and not sys.is_finalizing():
                 log.warning("a garbage collection (generation %d) paused every thread for %.0f ms",
                             info["generation"], seconds * 1e3)
 

@@ -238,7 +238,7 @@ class Guest:
         self.model: Any = None  # a ModelBinding, attached by sessions
         self.copy_mode = False  # True: tensor calls copy guest bytes (benchmark baseline)
         self._call_start = self._call_cpu = 0.0
-        self._host_time = 0.0
+        self._host_time = self._host_cpu = 0.0
         self._deadline_ms = limits.deadline_ms
         self._export = ""
         c = engine.creator
@@ -352,7 +352,7 @@ class Guest:
         self._export = export
         self._call_start = time.perf_counter()
         self._call_cpu = time.thread_time() - getattr(_gc_time, "spent", 0.0)
-        self._host_time = 0.0
+        self._host_time = self._host_cpu = 0.0
         self._deadline_ms = min(deadline_ms or self.limits.deadline_ms, self.limits.deadline_ms)
         self.store.set_epoch_deadline(self._ticks(self._deadline_ms / 1000))
         try:
@@ -378,12 +378,15 @@ class Guest:
         """CPU time this thread spent since the last call began: the guest's own work
         (MLX's model work runs on MLX's threads, and waiting for a step or for a
         busy CPU costs none, so a loaded machine does not make a guest look slow;
-        nor does a garbage collection that happened to run in one of its calls)."""
-        return time.thread_time() - getattr(_gc_time, "spent", 0.0) - self._call_cpu
+        nor does a garbage collection that happened to run in one of its calls, nor
+        the host's own work inside its kv_prefill and kv_decode calls)."""
+        return time.thread_time() - getattr(_gc_time, "spent", 0.0) - self._call_cpu - self._host_cpu
 
-    def host_compute(self, seconds: float) -> None:
-        """Host functions report model time so it does not count against the guest."""
+    def host_compute(self, seconds: float, cpu: float = 0.0) -> None:
+        """Host functions report model time (wall, and ``cpu`` of this thread) so it
+        does not count against the guest's deadline or its step budget."""
         self._host_time += seconds
+        self._host_cpu += cpu
         used = (time.perf_counter() - self._call_start) - self._host_time
         remaining = self._deadline_ms / 1000 - used
         if remaining <= 0:

@@ -343,6 +343,7 @@ class Session:
         budget = self.host.policy.guest_step_ms / 1000
         self._ahead = ahead
         self._prefill_budget, self._decode_budget = self._prompt_left, 1
+        spent = 0.0
         try:  # guest code runs outside the compute lock; its model calls take it
             tok = self.guest.call("kvferry_chat_step", deadline_ms=deadline_ms)
         except GuestError as e:
@@ -350,11 +351,12 @@ class Session:
             log.warning("session %s: %s", self.id, e)
             raise
         finally:
+            spent = self.guest.cpu_seconds()  # its own CPU time: model work excluded, and the take-back
             self._prefill_budget = self._decode_budget = 0
             if self._ahead is not None:  # the guest did not decode the token run for it
                 self._ahead = None
                 self._take_back()
-        if (spent := self.guest.cpu_seconds()) > budget:  # its own CPU time: model work excluded
+        if spent > budget:
             self.host.metrics.guest_traps.inc()
             log.warning("session %s: guest over its step budget (%.1f ms of CPU)", self.id, spent * 1000)
             self.guest.dead = f"spent {spent * 1000:.1f} ms of CPU in a step"

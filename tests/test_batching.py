@@ -166,7 +166,15 @@ def test_new_sessions_start_from_a_kept_prompt_prefix_exactly(smollm):
         want = _turn_state(plain, PROMPTS[1])
         assert plain.prefix.stats["hits"] == 0 and not plain.prefix.entries
         assert got[:2] == want[:2]
-        assert all(np.array_equal(a, b) for a, b in zip(got[2], want[2]))
+        reused = kept.prefix.stats["reused_tokens"]
+        for a, b in zip(got[2], want[2]):
+            # the reused prefix is a copy: the same bits. The rest went in as a pass of
+            # another size, whose edge rows the BLAS may round differently (~1e-6 here)
+            if a.ndim < 4:  # (an offset)
+                assert np.array_equal(a, b)
+                continue
+            assert np.array_equal(a[..., :reused, :], b[..., :reused, :])
+            assert np.allclose(a, b, rtol=1e-5, atol=1e-5)
         first = kept.steps.stats["prefill_tokens"]
         _turn_state(kept, PROMPTS[1])  # the same prompt again: all but its last token reused
         assert kept.steps.stats["prefill_tokens"] == first

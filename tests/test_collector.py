@@ -29,3 +29,20 @@ def test_freeze_moves_what_lives_now_out_of_later_collections():
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0 and len(kept) == 20_000
+
+
+def test_long_collections_are_logged_only_where_asked(monkeypatch, caplog):
+    import kvferry.collector as collector
+
+    monkeypatch.setattr(collector, "LONG_PAUSE_S", 0.0)  # every collection is "long"
+    for warn in (False, True):
+        caplog.clear()
+        clock = PauseClock(lambda gen, s: None, warn=warn).install()
+        try:
+            with caplog.at_level("WARNING", logger="kvferry.collector"):
+                gc.collect()
+        finally:
+            clock.remove()
+        logged = [r.getMessage() for r in caplog.records if r.name == "kvferry.collector"]
+        assert bool(logged) == warn  # a CLI's stderr keeps its one-line errors
+        assert all("generation 2" in m for m in logged)

@@ -1,9 +1,9 @@
 """Python's garbage collector on a host: the start-up heap frozen, pauses timed.
 
 A full (generation 2) collection stops every Python thread while it walks every
-object the collector tracks. A host holds ~90,000 of them once Ray, gRPC, mlx-lm
-and the tokenizer are loaded. On this 2-core CPU one such pass took 35-109 ms, and
-a host actor ran four in a 35 s ``kvferry bench serve`` run: a decode step that
+object the collector tracks. A served host holds ~130,000 of them once Ray, gRPC,
+mlx-lm and the tokenizer are loaded. On this 2-core CPU its start-up collections
+took 35-156 ms, and with 200 sessions held one took 106 ms: a decode step that
 meets one waits for it, and so does every stream (docs/performance.md).
 
 Those objects live as long as the host. :func:`freeze`, once the host has started

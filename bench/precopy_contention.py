@@ -6,9 +6,9 @@ One thread decodes one row of a ``context``-token SmolLM2 session (as this
 device's policy loads it) and times each step. Another thread copies the
 session's KV out in 1.5 MB pieces, as live pre-copy does, either by numpy
 straight from the cache's buffer, or after an MLX copy of the piece into a
-buffer of its own. On a GPU (CUDA unified memory) the first migrates the cache's
-pages to the host, and the next step migrates them back. The numbers in
-docs/performance.md ("Pre-copy beside decode steps") came from it on an H200.
+buffer of its own. The question on a GPU: does numpy reading CUDA unified memory
+move the cache's pages, so that the next step waits for them? On an H200 it did
+not (docs/performance.md, the 2026-12-02 migration table's notes).
 """
 
 from __future__ import annotations

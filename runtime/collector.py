@@ -10,7 +10,8 @@ Those objects live as long as the host. :func:`freeze`, once the host has starte
 and warmed up, moves them to the permanent generation that collections skip (as
 vLLM and SGLang do after their warm-up), so a later collection walks only what
 sessions made since. :class:`PauseClock` times every collection for the host's
-metrics (``kvferry_gc_pause_seconds``), so an operator can see what is left.
+metrics (``kvferry_gc_pause_seconds``), so an operator can see what is left, and
+:func:`gc_cpu_seconds` keeps each thread's collecting out of a guest's step budget.
 """
 
 from __future__ import annotations
@@ -19,11 +20,33 @@ import contextlib
 import gc
 import logging
 import sys
+import threading
 import time
 from typing import Callable
 
 log = logging.getLogger("kvferry.collector")
 LONG_PAUSE_S = 0.02  # a collection longer than this is logged: it shows in some reply's token times
+
+
+_thread = threading.local()  # CPU seconds this thread spent collecting garbage
+
+
+def _count_cpu(phase: str, info: dict) -> None:
+    """A collection runs on whichever thread allocates: its CPU is nobody's guest's."""
+    if phase == "start":
+        _thread.start = time.thread_time()
+    elif (t := getattr(_thread, "start", None)) is not None:
+        _thread.spent = getattr(_thread, "spent", 0.0) + time.thread_time() - t
+        _thread.start = None
+
+
+gc.callbacks.append(_count_cpu)
+
+
+def gc_cpu_seconds() -> float:
+    """CPU seconds the calling thread has spent in collections (kvferry.guest
+    subtracts them from a guest's own time)."""
+    return getattr(_thread, "spent", 0.0)
 
 
 def freeze() -> int:

@@ -20,7 +20,6 @@ every other guest untouched.
 from __future__ import annotations
 
 import ctypes
-import gc
 import hashlib
 import math
 import threading
@@ -35,6 +34,7 @@ import wasmtime as wt
 from wasmtime import _bindings as _B
 
 from .arena import Arena, ArenaCreator
+from .collector import gc_cpu_seconds
 from .errors import GuestAbiError, GuestError, GuestTrap
 
 TICK_S = 0.005  # epoch tick: deadline resolution
@@ -94,21 +94,6 @@ class MemoryImage:
 class GuestLimits:
     memory_cap: int = 16 << 20  # bytes of linear memory, at most (arena = min(cap, module max))
     deadline_ms: float = 5000.0  # guest time per export call
-
-
-_gc_time = threading.local()  # CPU seconds this thread spent collecting garbage
-
-
-def _count_gc(phase: str, info: dict) -> None:
-    """A collection runs on whichever thread allocates: its CPU is nobody's guest's."""
-    if phase == "start":
-        _gc_time.start = time.thread_time()
-    elif (t := getattr(_gc_time, "start", None)) is not None:
-        _gc_time.spent = getattr(_gc_time, "spent", 0.0) + time.thread_time() - t
-        _gc_time.start = None
-
-
-gc.callbacks.append(_count_gc)
 
 
 # ----------------------------------------------------------------------------- engine
@@ -351,7 +336,7 @@ class Guest:
             fn = self._funcs[export] = f
         self._export = export
         self._call_start = time.perf_counter()
-        self._call_cpu = time.thread_time() - getattr(_gc_time, "spent", 0.0)
+        self._call_cpu = time.thread_time() - gc_cpu_seconds()
         self._host_time = self._host_cpu = 0.0
         self._deadline_ms = min(deadline_ms or self.limits.deadline_ms, self.limits.deadline_ms)
         self.store.set_epoch_deadline(self._ticks(self._deadline_ms / 1000))
@@ -380,7 +365,7 @@ class Guest:
         busy CPU costs none, so a loaded machine does not make a guest look slow;
         nor does a garbage collection that happened to run in one of its calls, nor
         the host's own work inside its kv_prefill and kv_decode calls)."""
-        return time.thread_time() - getattr(_gc_time, "spent", 0.0) - self._call_cpu - self._host_cpu
+        return time.thread_time() - gc_cpu_seconds() - self._call_cpu - self._host_cpu
 
     def host_compute(self, seconds: float, cpu: float = 0.0) -> None:
         """Host functions report model time (wall, and ``cpu`` of this thread) so it

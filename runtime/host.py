@@ -127,9 +127,11 @@ class ModelHost:
         self.max_kv_bytes = max_kv_bytes or self.policy.kv_budget_bytes  # restored / migrated-in KV
         self.kv_reserved = 0  # KV bytes promised to restores in flight (under self.lock)
         self.metrics = HostMetrics(self)
-        hist = self.metrics.gc_pause  # (the callback holds the histogram, never the host: an unclosed
+        # the clock holds the histogram, never the host: an unclosed host can still be
+        # collected, and its clock goes with it
+        hist = self.metrics.gc_pause
         self.gc_clock = PauseClock(lambda gen, s: hist.labels(str(gen)).observe(s)).install()
-        weakref.finalize(self, self.gc_clock.remove)  # host can still be collected, and its clock goes too)
+        weakref.finalize(self, self.gc_clock.remove)
         p = self.policy
         self.admission = Admission(p.max_batch, p.max_queue, self.max_kv_bytes, self.kv_bytes)
         self.prefix = PrefixCache(p.prefix_cache_bytes)  # new sessions' shared prompt heads

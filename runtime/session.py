@@ -343,7 +343,6 @@ class Session:
         budget = self.host.policy.guest_step_ms / 1000
         self._ahead = ahead
         self._prefill_budget, self._decode_budget = self._prompt_left, 1
-        spent = 0.0
         try:  # guest code runs outside the compute lock; its model calls take it
             tok = self.guest.call("kvferry_chat_step", deadline_ms=deadline_ms)
         except GuestError as e:

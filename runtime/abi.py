@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import wasmtime as wt
 
+from . import wasm_calls
 from .errors import GuestAbiError, GuestError
 
 if TYPE_CHECKING:
@@ -54,17 +55,10 @@ FLOAT_CODES = (0, 1, 2)
 DESC_SIZE = 28
 MODEL_INFO_SIZE = 48
 
-_VT = {"i32": wt.ValType.i32(), "i64": wt.ValType.i64(), "f32": wt.ValType.f32()}
-
-
 def _mx_dtype(code: int):
     import mlx.core as mx
 
     return [mx.float32, mx.float16, mx.bfloat16, mx.int32, mx.uint32, mx.uint8, mx.int8][code]
-
-
-def _sig(ft: wt.FuncType) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    return tuple(str(p) for p in ft.params), tuple(str(r) for r in ft.results)
 
 
 def _fmt(sig) -> str:
@@ -80,8 +74,8 @@ def check_module(gm: "GuestModule") -> None:
             raise GuestError(f"{gm.label}: imports {where}, which is not part of the kvferry ABI{extra}")
         if imp.name not in IMPORTS:
             raise GuestError(f"{gm.label}: imports {where}, which ABI v{ABI_VERSION} does not have")
-        if not isinstance(imp.type, wt.FuncType) or _sig(imp.type) != IMPORTS[imp.name]:
-            got = _fmt(_sig(imp.type)) if isinstance(imp.type, wt.FuncType) else type(imp.type).__name__
+        if not isinstance(imp.type, wt.FuncType) or wasm_calls.signature(imp.type) != IMPORTS[imp.name]:
+            got = _fmt(wasm_calls.signature(imp.type)) if isinstance(imp.type, wt.FuncType) else type(imp.type).__name__
             raise GuestError(f"{gm.label}: import {where} has type {got}, ABI v{ABI_VERSION} "
                              f"declares {_fmt(IMPORTS[imp.name])}")
     exports = {e.name: e.type for e in gm.module.exports}
@@ -150,9 +144,9 @@ class HostFunctions:
 
     def define(self, linker: wt.Linker) -> None:
         for name, (params, results) in IMPORTS.items():
-            ft = wt.FuncType([_VT[p] for p in params], [_VT[r] for r in results])
             fn = getattr(self, name)
-            linker.define_func(IMPORT_MODULE, name, ft, self._serialised(fn) if name in MLX_MATH else fn)
+            wasm_calls.define(linker, IMPORT_MODULE, name, params, results,
+                              self._serialised(fn) if name in MLX_MATH else fn, self.g.crossing)
 
     def _serialised(self, fn):
         """MLX math under the engine's compute lock (MLX work is serialised); the wait

@@ -182,6 +182,9 @@ class StepScheduler(Speculation):
                 r.token = r.session.guest_step((r.tokens[-1], r.logits), deadline_ms=deadline)
             except BaseException as e:  # noqa: BLE001 - it is that session's error, told on its thread
                 r.error = e
+        # woken only now: a session thread woken earlier takes the GIL from this loop at
+        # every crossing into a guest (64 sessions on a CPU proxy: 227 against 355 us a guest)
+        for r in reqs:
             r.done.set()
 
     def leave(self, session: Any) -> None:

@@ -20,6 +20,7 @@ every other guest untouched.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import math
 import threading
@@ -35,6 +36,7 @@ from wasmtime import _bindings as _B
 
 from .arena import Arena, ArenaCreator
 from .collector import gc_cpu_seconds
+from . import wasm_calls
 from .errors import GuestAbiError, GuestError, GuestTrap
 
 TICK_S = 0.005  # epoch tick: deadline resolution
@@ -215,6 +217,8 @@ class Guest:
         self.store = wt.Store(engine.engine)
         self.store.set_limits(memories=1)  # the memory cap itself is the arena (see _ArenaCreator)
         self.store.set_epoch_deadline(1 << 40)
+        self._context = self.store._context()  # the store's C context, for deadlines set in place
+        self.crossing = wasm_calls.Crossing()  # a host function's exception, back across the call
         self.host: HostImports | None = engine.abi.host_functions(self) if engine.abi is not None else None
         linker = wt.Linker(engine.engine)
         if self.host is not None:
@@ -333,15 +337,18 @@ class Guest:
             f = self._exports[export] if export in self.module.exports else None
             if not isinstance(f, wt.Func):
                 raise GuestError(f"guest '{self.name}' has no exported function '{export}'")
-            fn = self._funcs[export] = f
+            try:  # the ABI's exports take and return i32: one unchecked crossing a call
+                fn = self._funcs[export] = wasm_calls.Export(self.store, f, self.crossing)
+            except TypeError:  # another signature (a tool's export): wasmtime's checked call
+                fn = self._funcs[export] = functools.partial(f, self.store)
         self._export = export
         self._call_start = time.perf_counter()
         self._call_cpu = time.thread_time() - gc_cpu_seconds()
         self._host_time = self._host_cpu = 0.0
         self._deadline_ms = min(deadline_ms or self.limits.deadline_ms, self.limits.deadline_ms)
-        self.store.set_epoch_deadline(self._ticks(self._deadline_ms / 1000))
+        wasm_calls.set_deadline(self._context, self._ticks(self._deadline_ms / 1000))
         try:
-            return fn(self.store, *args)
+            return fn(*args)
         except GuestAbiError as e:
             self.dead = str(e)
             raise GuestTrap(f"guest '{self.name}': {e}") from None
@@ -377,7 +384,7 @@ class Guest:
         if remaining <= 0:
             raise GuestAbiError(f"exceeded its deadline of {self._deadline_ms:g} ms "
                                 f"in {self._export}()")
-        self.store.set_epoch_deadline(self._ticks(remaining))
+        wasm_calls.set_deadline(self._context, self._ticks(remaining))
 
     def _describe(self, t: wt.Trap) -> str:
         code = t.trap_code

@@ -4,6 +4,7 @@ import gc
 import json
 import subprocess
 import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -221,6 +222,41 @@ def test_host_functions_check_arguments(engine, setup, args, message):
     with pytest.raises(GuestTrap, match="unusable after an earlier failure"):
         g.call("matmul", *args)
     g.close()
+
+
+def test_host_function_errors_stay_with_their_guest(engine):
+    """A host function's exception crosses back to its own guest's call only
+    (kvferry.wasm_calls keeps it per guest): a guest failing on one thread never
+    hands its error to another guest calling at the same time."""
+    module = engine.compile(TRAMPOLINE.encode(), "tramp")
+    good = [engine.instantiate(module, f"good-{i}") for i in range(2)]
+    errors = []
+
+    def work(g):
+        g.write(1024, np.ones((2, 2), np.float32))
+        g.write(0, desc(1024, 0, 2, 2) * 2 + desc(2048, 0, 2, 2))
+        try:
+            for _ in range(300):
+                assert g.call("matmul", 0, 28, 56) == 0
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(g,)) for g in good]
+    for t in threads:
+        t.start()
+    for i in range(30):
+        bad = engine.instantiate(module, f"bad-{i}")
+        with pytest.raises(GuestTrap, match="outside guest memory"):
+            bad.call("matmul", 0xFFFFFFF0, 28, 56)
+        with pytest.raises(GuestTrap, match="too few|2 arguments"):
+            engine.instantiate(module, f"arity-{i}").call("matmul", 0, 28)
+        bad.close()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert np.array_equal(np.frombuffer(good[0].read(2048, 16), np.float32), np.full(4, 2, np.float32))
+    for g in good:
+        g.close()
 
 
 def test_model_imports_need_a_model(tramp):

@@ -17,6 +17,7 @@ import threading
 import time
 
 from ..device import current
+from ..errors import KvferryError
 from ..policy import BATCH_KV, HostPolicy
 from .loopback import LoopbackHost
 
@@ -43,10 +44,16 @@ def _turns(address: str, token: str, prompts: list[str], tokens: int) -> list[di
     out: list[dict] = [{} for _ in prompts]
     go = threading.Barrier(len(prompts))
 
+    failed: list[BaseException] = []
+
     def one(i: int) -> None:
         go.wait()
         t0 = time.perf_counter()
-        times = [time.perf_counter() for c in sessions[i].events(prompts[i]) if c.token >= 0]
+        try:
+            times = [time.perf_counter() for c in sessions[i].events(prompts[i]) if c.token >= 0]
+        except Exception as e:  # reported once all turns end: a point with a failed turn has no figure
+            failed.append(e)
+            return
         out[i] = {"sent": t0, "times": times}
     ts = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in ts:
@@ -55,6 +62,8 @@ def _turns(address: str, token: str, prompts: list[str], tokens: int) -> list[di
         t.join()
     for s in sessions:
         s.close()
+    if failed:
+        raise KvferryError(f"bench serve: {len(failed)} of {len(prompts)} turns failed; the first: {failed[0]}")
     return out
 
 

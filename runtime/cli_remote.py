@@ -10,7 +10,7 @@ from .params import DRAIN_TIMEOUT
 from .console import print_json
 from .errors import KvferryError
 from .params import MIGRATE_DEFAULTS, MIGRATE_MODES  # noqa: I001
-from .policy import BATCH_KV, GUEST_THREAD, PREFILL_THREAD, SPECULATE, HostPolicy
+from .policy import BATCH_KV, GUEST_THREAD, MAX_BATCH, PREFILL_THREAD, SPECULATE, HostPolicy
 
 DEFAULT_HOST = "127.0.0.1:50051"
 
@@ -251,7 +251,7 @@ def register(sub, add: Callable) -> None:
     sv.add_argument("--log-format", choices=("text", "json"), default="text",
                     help="log lines on stderr as text or one JSON object per line")
     sv.add_argument("--max-batch", type=int, metavar="N", help="replies generated at once, one decode batch "
-                    f"(default {HostPolicy.max_batch}); more wait in a first-come queue")
+                    f"(default {MAX_BATCH['cpu']} on a CPU, {MAX_BATCH['gpu']} on a GPU); more wait in a first-come queue")
     sv.add_argument("--max-queue", type=int, metavar="N", help="replies that may wait for a place (default "
                     f"{HostPolicy.max_queue}); beyond, clients get RESOURCE_EXHAUSTED (host_full)")
     sv.add_argument("--guest-step-ms", type=float, metavar="MS", help="a guest's own time per step (sampling), "

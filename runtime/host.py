@@ -23,7 +23,7 @@ from .metrics import HostMetrics
 from .device import current
 from .models import LoadedModel, load
 from .params import SamplingParams, SessionOptions
-from .policy import HostPolicy
+from .policy import MAX_BATCH, HostPolicy
 from .session import Session
 
 DEFAULT_GUEST = GUESTS_DIR / "chat.wasm"
@@ -133,13 +133,14 @@ class ModelHost:
         self.gc_clock = PauseClock(lambda gen, s: hist.labels(str(gen)).observe(s)).install()
         weakref.finalize(self, self.gc_clock.remove)
         p = self.policy
-        self.admission = Admission(p.max_batch, p.max_queue, self.max_kv_bytes, self.kv_bytes)
-        self.prefix = PrefixCache(p.prefix_cache_bytes)  # new sessions' shared prompt heads
         gpu = self.device.is_gpu
+        self.max_batch = p.max_batch or MAX_BATCH["gpu" if gpu else "cpu"]
+        self.admission = Admission(self.max_batch, p.max_queue, self.max_kv_bytes, self.kv_bytes)
+        self.prefix = PrefixCache(p.prefix_cache_bytes)  # new sessions' shared prompt heads
         drive = gpu if p.drive_guests is None else p.drive_guests
         # speculation hid the guests' sampling on their own threads; with the guests on the
         # step thread it cost more than it hid on the H200 (docs/performance.md)
-        self.steps = StepScheduler(self, max_batch=p.max_batch, guest_step_ms=p.guest_step_ms,
+        self.steps = StepScheduler(self, max_batch=self.max_batch, guest_step_ms=p.guest_step_ms,
                                    step_tokens=p.step_tokens,
                                    speculate=gpu and not drive if p.speculate is None else p.speculate,
                                    shared_kv=gpu if p.shared_kv is None else p.shared_kv,

@@ -59,7 +59,7 @@ class HttpFront:
     def __init__(self, srv: Any, host: str, port: int, *, metrics_public: bool = False) -> None:
         self.srv, self.bind, self.port = srv, host, port
         self.metrics_public = metrics_public
-        self.pool = futures.ThreadPoolExecutor(max_workers=srv.host.policy.max_batch + 16,
+        self.pool = futures.ThreadPoolExecutor(max_workers=srv.host.max_batch + 16,
                                                thread_name_prefix="kvferry-http")
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()

@@ -27,6 +27,11 @@ SPECULATE = {"auto": None, "on": True, "off": False}  # --speculate -> HostPolic
 BATCH_KV = {"auto": None, "shared": True, "per-session": False}  # --batch-kv -> HostPolicy.shared_kv
 GUEST_THREAD = {"auto": None, "step": True, "session": False}  # --guest-thread -> HostPolicy.drive_guests
 PREFILL_THREAD = {"auto": None, "on": True, "off": False}  # --prefill-thread -> HostPolicy.prefill_thread
+# --max-batch by device. A CPU's decode step grows with its rows (it reads the weights
+# once, but attention and the guests' work scale), and 8 rows already reach mlx-lm's
+# batch speed there. A GPU's step is launch-bound: on the H200, 64 sessions under a
+# limit of 32 ran as two waves of 32 rows (923-967 tok/s) where one wave of 64 gave 1,266.
+MAX_BATCH = {"cpu": 32, "gpu": 128}
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,8 @@ class HostPolicy:
     calls_per_key: int = 16  # calls one client key may have in flight (admin and peer keys: no limit)
     stream_idle_s: float = 300.0  # a follower stream with nothing to send ends after this
     kv_budget_bytes: int = 0  # KV the host may hold (restores, landings); 0: half the machine's memory
-    max_batch: int = 32  # replies generated at once (one decode batch); more wait in a FIFO queue
+    max_batch: int | None = None  # replies generated at once (one decode batch; None: MAX_BATCH by device);
+    # more wait in a FIFO queue
     max_queue: int = 256  # replies waiting for a place; beyond, RESOURCE_EXHAUSTED
     guest_step_ms: float = 20.0  # a guest's own time in one step, at most; a step waits no longer for it
     step_tokens: int = 0  # prompt tokens a step adds beside its decodes (0: adaptive, ~half a decode step)
@@ -57,7 +63,7 @@ class HostPolicy:
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_guest_bytes", "max_tokens", "max_message_bytes", "max_modules",
                      "max_concurrent_rpcs", "calls_per_key", "max_batch", "max_queue"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
         for name in ("session_ttl_s", "unread_grace_s", "stream_idle_s", "kv_budget_bytes", "step_tokens",
                      "prefix_cache_bytes"):

@@ -152,9 +152,13 @@ class StepScheduler(Speculation):
         with self.cv:
             if self.closed:
                 raise SessionError("this host is shutting down")
+            idle = not (self.decodes or self.prefills)
             self.expect.discard(req.session)
             (self.prefills if len(req.tokens) > 1 else self.decodes).append(req)
-            self.cv.notify_all()
+            # the step thread waits for an idle host's first request or for a step's last
+            # session to come back: waking it for each one between only hands it the GIL
+            if idle or not self.expect:
+                self.cv.notify_all()
 
     def guest_step(self, session: Any, last: int | None) -> int:
         """``session``'s next guest step (from its own thread): its token or a stop code.

@@ -20,7 +20,6 @@ every other guest untouched.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import math
 import threading
@@ -337,10 +336,7 @@ class Guest:
             f = self._exports[export] if export in self.module.exports else None
             if not isinstance(f, wt.Func):
                 raise GuestError(f"guest '{self.name}' has no exported function '{export}'")
-            try:  # the ABI's exports take and return i32: one unchecked crossing a call
-                fn = self._funcs[export] = wasm_calls.Export(self.store, f, self.crossing)
-            except TypeError:  # another signature (a tool's export): wasmtime's checked call
-                fn = self._funcs[export] = functools.partial(f, self.store)
+            fn = self._funcs[export] = wasm_calls.export(self.store, f, self.crossing)
         self._export = export
         self._call_start = time.perf_counter()
         self._call_cpu = time.thread_time() - gc_cpu_seconds()

@@ -82,6 +82,33 @@ def define(linker: wt.Linker, module: str, name: str, params: tuple[str, ...], r
         raise wt.WasmtimeError._from_ptr(err)
 
 
+def export(store: wt.Store, func: wt.Func, crossing: Crossing) -> Callable[..., Any]:
+    """A callable for a guest export: unchecked for the ABI's i32 signatures, else
+    wasmtime-py's checked call. Either way a host function's exception is what the
+    call raises."""
+    try:
+        return Export(store, func, crossing)
+    except TypeError:
+        return _Checked(store, func, crossing)
+
+
+class _Checked:
+    """An export of another signature (a tool's f32 or i64), through wasmtime-py."""
+
+    def __init__(self, store: wt.Store, func: wt.Func, crossing: Crossing):
+        self.store, self.func, self.crossing = store, func, crossing
+
+    def __call__(self, *args: Any) -> Any:
+        self.crossing.raised = None
+        try:
+            return self.func(self.store, *args)
+        except (wt.Trap, wt.WasmtimeError):
+            raised, self.crossing.raised = self.crossing.raised, None
+            if raised is not None:
+                raise raised from None
+            raise
+
+
 class Export:
     """A guest export of i32 parameters and at most one i32 result, called unchecked."""
 

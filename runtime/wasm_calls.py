@@ -24,7 +24,7 @@ import wasmtime as wt
 from wasmtime import _ffi as ffi
 
 _RAW = ffi.wasmtime_val_raw_t
-_FIELD = {"i32": "i32", "i64": "i64", "f32": "f32"}  # value type -> wasmtime_val_raw_t member
+_RAW_TYPES = ("i32", "i64", "f32")  # value types a host function may take: wasmtime_val_raw_t's members
 _CALLBACKS: dict[int, tuple[Callable, tuple[str, ...], str | None, "Crossing"]] = {}
 _ids = itertools.count(1)
 
@@ -33,7 +33,7 @@ _ids = itertools.count(1)
 _keep_gil = ctypes.PyDLL(ffi.dll._name)
 _set_deadline = _keep_gil.wasmtime_context_set_epoch_deadline
 _set_deadline.restype = None
-_set_deadline.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+_set_deadline.argtypes = [ctypes.POINTER(ffi.wasmtime_context_t), ctypes.c_uint64]
 
 
 class Crossing:
@@ -70,9 +70,11 @@ def define(linker: wt.Linker, module: str, name: str, params: tuple[str, ...], r
            fn: Callable, crossing: Crossing) -> None:
     """``linker.define_func`` for a host function of value types i32/i64/f32 and at
     most one result, called with plain Python numbers."""
+    if any(t not in _RAW_TYPES for t in params + results) or len(results) > 1:
+        raise TypeError(f"host function {name}: {params} -> {results} is not a raw signature")
     ft = wt.FuncType([getattr(wt.ValType, p)() for p in params], [getattr(wt.ValType, r)() for r in results])
     key = next(_ids)
-    _CALLBACKS[key] = (fn, tuple(_FIELD[p] for p in params), _FIELD[results[0]] if results else None, crossing)
+    _CALLBACKS[key] = (fn, params, results[0] if results else None, crossing)
     m, n = module.encode(), name.encode()
     err = ffi.wasmtime_linker_define_func_unchecked(linker.ptr(), ctypes.create_string_buffer(m), len(m),
                                                    ctypes.create_string_buffer(n), len(n), ft.ptr(),
@@ -86,10 +88,10 @@ def export(store: wt.Store, func: wt.Func, crossing: Crossing) -> Callable[..., 
     """A callable for a guest export: unchecked for the ABI's i32 signatures, else
     wasmtime-py's checked call. Either way a host function's exception is what the
     call raises."""
-    try:
-        return Export(store, func, crossing)
-    except TypeError:
-        return _Checked(store, func, crossing)
+    params, results = signature(func.type(store))
+    if all(p == "i32" for p in params) and results in ((), ("i32",)):
+        return Export(store, func, crossing, len(params), bool(results))
+    return _Checked(store, func, crossing)
 
 
 class _Checked:
@@ -112,12 +114,10 @@ class _Checked:
 class Export:
     """A guest export of i32 parameters and at most one i32 result, called unchecked."""
 
-    def __init__(self, store: wt.Store, func: wt.Func, crossing: Crossing):
-        params, results = signature(func.type(store))
-        if any(p != "i32" for p in params) or results not in ((), ("i32",)):
-            raise TypeError(f"not an i32 signature: {params} -> {results}")
-        self.store, self.func, self.crossing = store, func, crossing
-        self.nparams, self.returns = len(params), bool(results)
+    def __init__(self, store: wt.Store, func: wt.Func, crossing: Crossing, nparams: int, returns: bool):
+        self.store, self.func, self.crossing = store, func, crossing  # the store outlives its context
+        self.context = store._context()
+        self.nparams, self.returns = nparams, returns
 
     def __call__(self, *args: int) -> int | None:
         if len(args) != self.nparams:
@@ -127,7 +127,7 @@ class Export:
             raw[i].i32 = a
         trap = ctypes.POINTER(ffi.wasm_trap_t)()
         self.crossing.raised = None
-        err = ffi.wasmtime_func_call_unchecked(self.store._context(), ctypes.byref(self.func._func), raw,
+        err = ffi.wasmtime_func_call_unchecked(self.context, ctypes.byref(self.func._func), raw,
                                                len(raw), ctypes.byref(trap))
         raised, self.crossing.raised = self.crossing.raised, None
         if err or trap:
@@ -143,4 +143,4 @@ class Export:
 def set_deadline(context: Any, ticks: int) -> None:
     """``store.set_epoch_deadline(ticks)`` without letting go of the GIL
     (``context``: the store's ``_context()``)."""
-    _set_deadline(ctypes.cast(context, ctypes.c_void_p), ticks)
+    _set_deadline(context, ticks)

@@ -19,8 +19,8 @@ and waiting for the step, and a step waits for guests still sampling at most
 each guest returned and then calls the guest's step itself (:meth:`guest_step`),
 one thread switch a token instead of several.
 
-A GPU host with its guests on their sessions' threads also runs each greedy
-row's next step while its guest samples (:mod:`kvferry.speculation`).
+A GPU host also queues each greedy row's next step on the device's argmax
+before it waits for the step (:mod:`kvferry.speculation`), as mlx-lm does.
 """
 
 from __future__ import annotations
@@ -283,6 +283,8 @@ class StepScheduler(Speculation):
             mx.clear_streams()
 
     def _loop(self) -> None:
+        import mlx.core as mx
+
         while True:
             rows, prompts = self._next()
             if self.closed:
@@ -304,7 +306,8 @@ class StepScheduler(Speculation):
             try:
                 with self.host.compute:
                     rows, plan = self._open_only(rows, plan)
-                    logits = self._step(rows, plan)
+                    guessing = self.guessing(rows, plan)  # the next step is queued before this one is waited for
+                    logits = self._step(rows, plan, wait=not guessing)
                     for r in rows:  # the history moves with the cache, under the compute lock
                         r.session.history.append(r.tokens[-1])  # (pre-copy reads both)
                     for req, chunk in plan:
@@ -312,6 +315,8 @@ class StepScheduler(Speculation):
                         if req.fresh and len(req.tokens) == 1:  # its prompt is in: others may start from it
                             self.host.prefix.keep(req.session)
                     self._guess(rows, plan, logits)
+                    if guessing:
+                        mx.eval(logits)
             except Exception as e:  # noqa: BLE001 - the sessions of this step hear it, the loop goes on
                 err = e if isinstance(e, SessionError) else SessionError(f"model step failed: {e}")
                 self._fail(rows + [req for req, _ in plan], err)
@@ -412,9 +417,10 @@ class StepScheduler(Speculation):
     def request(session: Any, tokens: list[int]) -> _Request:
         return _Request(session, tokens)
 
-    def _forward(self, rows: list[_Request], plan: list, wait: bool = True):
+    def _forward(self, rows: list[_Request], plan: list, wait: bool = True, tokens: Any = None):
         """One step's model work; returns each decode row's logits, evaluated (with
-        ``wait`` False: scheduled, still running)."""
+        ``wait`` False: scheduled, still running). ``tokens``: the rows' tokens as a
+        ``(B, 1)`` device array (a guess not yet computed), else their last ones."""
         import mlx.core as mx
 
         model = self.host.lm.model
@@ -422,7 +428,8 @@ class StepScheduler(Speculation):
             return self._forward_packed(rows, plan)
         out, logits = [], []
         if rows:
-            tokens = mx.array([[r.tokens[-1]] for r in rows], dtype=mx.int32)
+            if tokens is None:
+                tokens = mx.array([[r.tokens[-1]] for r in rows], dtype=mx.int32)
             if len(rows) == 1 or not self.batched:
                 parts = [model(tokens[i:i + 1], cache=r.session.cache)[:, -1] for i, r in enumerate(rows)]
                 batch = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)

@@ -263,9 +263,8 @@ def register(sub, add: Callable) -> None:
     sv.add_argument("--step-tokens", type=int, metavar="N", help="prompt tokens a step prefills beside its "
                     "decodes (default: adaptive, about half a decode step's time; like vLLM's chunked prefill)")
     sv.add_argument("--speculate", choices=tuple(SPECULATE), default="auto",
-                    help="while guests sample, run the next step on their greedy tokens (auto: on a GPU whose "
-                         "guests run on their sessions' threads, where it hides their sampling; a guest that "
-                         "picks another token costs a step)")
+                    help="queue each greedy row's next step on the device's argmax before this step is waited "
+                         "for, as mlx-lm does (auto: on a GPU; a guest that picks another token costs a step)")
     sv.add_argument("--batch-kv", choices=tuple(BATCH_KV), default="auto",
                     help="where a decode batch's KV lives: shared (one buffer per layer, one attention for every "
                          "row; mlx-lm's BatchKVCache) or per-session (each row its own cache and attention); auto: "

@@ -138,11 +138,11 @@ class ModelHost:
         self.admission = Admission(self.max_batch, p.max_queue, self.max_kv_bytes, self.kv_bytes)
         self.prefix = PrefixCache(p.prefix_cache_bytes)  # new sessions' shared prompt heads
         drive = gpu if p.drive_guests is None else p.drive_guests
-        # speculation hid the guests' sampling on their own threads; with the guests on the
-        # step thread it cost more than it hid on the H200 (docs/performance.md)
+        # the next step queued on the device's greedy guess before this one is waited for
+        # (mlx-lm's order): on a GPU the next graph is built while the device runs
         self.steps = StepScheduler(self, max_batch=self.max_batch, guest_step_ms=p.guest_step_ms,
                                    step_tokens=p.step_tokens,
-                                   speculate=gpu and not drive if p.speculate is None else p.speculate,
+                                   speculate=gpu if p.speculate is None else p.speculate,
                                    shared_kv=gpu if p.shared_kv is None else p.shared_kv,
                                    split_prefill=gpu, drive=drive,
                                    prefill_thread=gpu if p.prefill_thread is None else p.prefill_thread)

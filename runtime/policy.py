@@ -53,8 +53,7 @@ class HostPolicy:
     max_queue: int = 256  # replies waiting for a place; beyond, RESOURCE_EXHAUSTED
     guest_step_ms: float = 20.0  # a guest's own time in one step, at most; a step waits no longer for it
     step_tokens: int = 0  # prompt tokens a step adds beside its decodes (0: adaptive, ~half a decode step)
-    speculate: bool | None = None  # run the greedy next step while guests sample (None: on a GPU, guests on
-    # their sessions' threads)
+    speculate: bool | None = None  # queue the greedy next step before waiting for this one (None: on a GPU)
     shared_kv: bool | None = None  # decode rows' KV in one buffer per layer (kvferry.resident; None: on a GPU)
     drive_guests: bool | None = None  # decode steps call the guests on the step thread (None: on a GPU)
     prefill_thread: bool | None = None  # long prompts beside decodes prefilled on their own thread (None: on a GPU)

@@ -319,7 +319,7 @@ def test_a_wrong_guess_is_computed_again(speculating, solo, monkeypatch):
     token, so the reply is still the solo one."""
     import mlx.core as mx
 
-    monkeypatch.setattr(speculating.steps, "_greedy", lambda logits: mx.argmin(mx.stack(logits), axis=-1).tolist())
+    monkeypatch.setattr(speculating.steps, "_greedy", lambda logits: mx.argmin(mx.stack(logits), axis=-1))
     before = speculating.steps.stats["speculation_hits"]
     s = speculating.create_session(sampling=greedy(16))
     assert [e.token for e in s.send(PROMPTS[0]) if e.token >= 0] == solo[PROMPTS[0]]

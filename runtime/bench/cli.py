@@ -172,7 +172,7 @@ def cmd_bench_serve(a) -> int:
         raise KvferryError(f"--prefix-cache-mb must be >= 0, not {a.prefix_cache_mb:g}")
     r = run(a.model, tuple(a.sessions), a.tokens, a.long_prompt, progress=(lambda m: print(m, file=sys.stderr)),
             http=a.http, ttft_samples=a.ttft_samples, batch_kv=a.batch_kv, guest_thread=a.guest_thread,
-            prefix_cache_mb=a.prefix_cache_mb, prefill_thread=a.prefill_thread)
+            prefix_cache_mb=a.prefix_cache_mb, prefill_thread=a.prefill_thread, speculate=a.speculate)
     if a.plot:
         plot(r, a.plot)
     if a.json:
@@ -297,6 +297,8 @@ def register(sub, add: Callable) -> None:
                     help="the served host's serve --guest-thread (default auto: step on a GPU)")
     bs.add_argument("--prefill-thread", choices=tuple(PREFILL_THREAD), default="auto",
                     help="the served host's serve --prefill-thread (default auto: on a GPU)")
+    bs.add_argument("--speculate", choices=tuple(SPECULATE), default="auto",
+                    help="the served host's serve --speculate (default auto: see serve --speculate)")
     bs.add_argument("--prefix-cache-mb", type=float, metavar="MB", help="the served host's serve "
                     "--prefix-cache-mb (default: serve's; 0: every prompt prefilled whole, as mlx-lm's column)")
     bs.add_argument("--tokens", type=int, default=64, help="tokens per turn (default 64)")

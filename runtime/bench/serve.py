@@ -106,7 +106,7 @@ def mlx_lm_tps(lm, prompts: list[str], tokens: int) -> float:
 def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens: int = 64,
         long_prompt: int = 2000, long_with: int = 4, progress=print, http: bool = False,
         ttft_samples: int = 20, batch_kv: str = "auto", guest_thread: str = "auto",
-        prefix_cache_mb: float | None = None, prefill_thread: str = "auto") -> dict:
+        prefix_cache_mb: float | None = None, prefill_thread: str = "auto", speculate: str = "auto") -> dict:
     from ..collector import freeze
     from ..models import load
     from ..sdk import Client
@@ -114,6 +114,7 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
     token = secrets.token_urlsafe(16)
     srv = LoopbackHost(token, *(["--model", model] if model else []), *(["--http-port", "0"] if http else []),
                        "--batch-kv", batch_kv, "--guest-thread", guest_thread, "--prefill-thread", prefill_thread,
+                       "--speculate", speculate,
                        *(["--prefix-cache-mb", f"{prefix_cache_mb:g}"] if prefix_cache_mb is not None else []))
     points = []
     http_vs_grpc = None
@@ -173,7 +174,7 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
         p["ratio_to_mlx_lm"] = round(p["aggregate_tps"] / p["mlx_lm_tps"], 3) if p["mlx_lm_tps"] else None
     return {"model": lm.name, "tokens_per_turn": tokens, "points": points, "long_prompt": long,
             "consistency": agree, "batching": True, "batch_kv": batch_kv,
-            "guest_thread": guest_thread, "prefill_thread": prefill_thread, "device": current().as_dict(),
+            "guest_thread": guest_thread, "prefill_thread": prefill_thread, "speculate": speculate, "device": current().as_dict(),
             "prefix_cache_mb": HostPolicy.prefix_cache_bytes / 1e6 if prefix_cache_mb is None else prefix_cache_mb,
             **({"http_vs_grpc": http_vs_grpc} if http else {})}
 

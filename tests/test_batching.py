@@ -327,6 +327,24 @@ def test_a_wrong_guess_is_computed_again(speculating, solo, monkeypatch):
     assert speculating.steps.stats["speculation_hits"] == before
 
 
+def test_a_checkpoint_with_a_guess_in_flight_continues_identically(speculating, solo):
+    """On a speculating host (the GPU default) a session between two steps has its
+    next step already queued on its cache, one past its offset: a checkpoint taken
+    then holds only what the session computed, and the restored reply is the solo one."""
+    from kvferry.checkpoint import restore, snapshot
+
+    x = speculating.create_session(sampling=greedy(16))
+    it = x.send(PROMPTS[3])
+    head = [next(it).token for _ in range(5)]
+    assert x in speculating.steps.guesses  # its sixth step is queued
+    data = b"".join(snapshot.snapshot(x))
+    speculating.close_session(x.id)
+    y = restore.restore(speculating, [data])
+    rest = [e.token for e in y.continue_turn(from_index=5) if e.token >= 0]
+    assert head + rest == solo[PROMPTS[3]]
+    speculating.close_session(y.id)
+
+
 def test_sampling_sessions_are_not_speculated(speculating):
     sp = SamplingParams(temperature=0.8, top_k=40, seed=7, ignore_eos=True, max_tokens=12)
     before = speculating.steps.stats["speculated"]

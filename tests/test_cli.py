@@ -129,12 +129,13 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
     """The CI variant of `kvferry bench serve`: small, keys only (never a timing)."""
     r = kvferry("bench", "serve", "--json", "--sessions", "1", "2", "--tokens", "4", "--long-prompt", "200",
                 "--http", "--ttft-samples", "2", "--batch-kv", "shared", "--guest-thread", "step",
-                "--prefill-thread", "on", "--prefix-cache-mb", "32", timeout=900)
+                "--prefill-thread", "on", "--speculate", "on", "--prefix-cache-mb", "32", timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["batch_kv"] == "shared" and out["consistency"]["kv"] == "shared"  # the GPU layout, served here
     assert out["guest_thread"] == "step"  # and the GPU's guests on the step thread
     assert out["prefill_thread"] == "on"  # and its prefill thread (the long prompt beside the decoders)
+    assert out["speculate"] == "on"  # and its greedy guesses, queued before each step is waited for
     assert out["prefix_cache_mb"] == 32
     assert [p["sessions"] for p in out["points"]] == [1, 2]
     for p in out["points"]:

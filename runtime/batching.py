@@ -97,6 +97,7 @@ class StepScheduler(Speculation):
         self.split = split_prefill
         self.speculate = speculate
         self.guesses: dict[Any, Any] = {}  # session -> its speculated next step (kvferry.speculation)
+        self.guessed = None  # the guesses' tokens: a device array, read once at the next step
         self.missed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # guesses missed in a row
         self.max_batch = max_batch
         self.gather_s = guest_step_ms / 1000
@@ -314,8 +315,8 @@ class StepScheduler(Speculation):
                         req.session.history.extend(chunk)
                         if req.fresh and len(req.tokens) == 1:  # its prompt is in: others may start from it
                             self.host.prefix.keep(req.session)
-                    self._guess(rows, plan, logits)
                     if guessing:
+                        self._guess(rows, logits)
                         mx.eval(logits)
             except Exception as e:  # noqa: BLE001 - the sessions of this step hear it, the loop goes on
                 err = e if isinstance(e, SessionError) else SessionError(f"model step failed: {e}")

@@ -28,25 +28,25 @@ MISSES = 2  # guesses a session's guest may turn down in a row before it is no l
 
 
 class _Guess:
-    """A speculated next step of one session: valid while its cache is where it was."""
-    __slots__ = ("token", "logits", "offset", "epoch", "n")
+    """A speculated next step of one session, on row ``row`` of the step's guessed
+    tokens: valid while its cache is where it was."""
+    __slots__ = ("row", "logits", "offset", "epoch", "n")
 
-    def __init__(self, token: int, logits: Any, session: Any) -> None:
-        self.token, self.logits = token, logits
+    def __init__(self, row: int, logits: Any, session: Any) -> None:
+        self.row, self.logits = row, logits
         self.offset, self.epoch, self.n = session.cache[0].offset, session.kv_epoch, len(session.history)
 
-    def holds(self, session: Any, token: int) -> bool:
-        if not isinstance(self.token, int):  # the device's argmax: computed by now, before the step after it
-            self.token = self.token.item()
-        return (token == self.token and not session.closed and session.cache
+    def holds(self, session: Any, token: int, guessed: list[int]) -> bool:
+        return (token == guessed[self.row] and not session.closed and session.cache
                 and session.cache[0].offset == self.offset and session.kv_epoch == self.epoch
                 and len(session.history) == self.n)
 
 
 class Speculation:
-    """The scheduler's guesses: ``speculate``, ``guesses`` (session -> _Guess) and
-    ``missed`` (session -> misses in a row) are set up by the scheduler; these
-    methods run on its thread, under the compute lock."""
+    """The scheduler's guesses: ``speculate``, ``guesses`` (session -> _Guess),
+    ``guessed`` (their tokens, a device array) and ``missed`` (session -> misses in a
+    row) are set up by the scheduler; these methods run on its thread, under the
+    compute lock."""
 
     def _step(self, rows: list, plan: list, wait: bool = True) -> list:
         """This step's logits per decode row: a row whose token was guessed takes the
@@ -58,9 +58,10 @@ class Speculation:
         if not self.guesses:
             return self._forward(rows, plan, wait=wait)
         hit = {}
+        guessed = self.guessed.tolist()  # every row's guess in one read: computed by now, before its step
         for r in rows:
             g = self.guesses.pop(r.session, None)
-            if g is not None and g.holds(r.session, r.tokens[-1]):
+            if g is not None and g.holds(r.session, r.tokens[-1], guessed):
                 hit[r] = g
                 self.missed[r.session] = 0
             elif g is not None:
@@ -79,17 +80,16 @@ class Speculation:
         return out
 
     def guessing(self, rows: list, plan: list) -> bool:
-        """Whether this step's next one is guessed (then its logits are waited for after)."""
+        """Whether this step's next one is guessed (:meth:`_guess`, before this step's
+        logits are waited for)."""
         return bool(self.speculate and rows and not plan)
 
-    def _guess(self, rows: list, plan: list, logits: list) -> None:
-        """Start the next step on each row's greedy token, not waited for: it runs on
-        the accelerator while the guests sample (see the module docstring).
+    def _guess(self, rows: list, logits: list) -> None:
+        """Start the next step on each decode row's greedy token, not waited for: it
+        runs on the accelerator while the guests sample (see the module docstring).
         ``logits`` may still be computing: the guess is the device's argmax of them."""
         import mlx.core as mx
 
-        if not self.guessing(rows, plan):
-            return
         # greedy sessions on plain caches, unless their guest keeps choosing otherwise
         # (a guest restricted to some tokens, say): each miss costs a step
         pick = [i for i, r in enumerate(rows) if r.session.sampling.temperature == 0 and r.session.plain_kv()
@@ -108,8 +108,9 @@ class Speculation:
                 c.offset = o  # the guess's K/V stay one past the offset until it is taken
         if nxt is None:
             return
+        self.guessed = guess
         for i, (r, lo) in enumerate(zip(rows, nxt)):
-            self.guesses[r.session] = _Guess(guess[i], lo, r.session)
+            self.guesses[r.session] = _Guess(i, lo, r.session)
         self.stats["speculated"] += len(rows)
 
     @staticmethod

@@ -174,7 +174,8 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
         p["ratio_to_mlx_lm"] = round(p["aggregate_tps"] / p["mlx_lm_tps"], 3) if p["mlx_lm_tps"] else None
     return {"model": lm.name, "tokens_per_turn": tokens, "points": points, "long_prompt": long,
             "consistency": agree, "batching": True, "batch_kv": batch_kv,
-            "guest_thread": guest_thread, "prefill_thread": prefill_thread, "speculate": speculate, "device": current().as_dict(),
+            "guest_thread": guest_thread, "prefill_thread": prefill_thread, "speculate": speculate,
+            "device": current().as_dict(),
             "prefix_cache_mb": HostPolicy.prefix_cache_bytes / 1e6 if prefix_cache_mb is None else prefix_cache_mb,
             **({"http_vs_grpc": http_vs_grpc} if http else {})}
 

@@ -304,8 +304,10 @@ class StepScheduler(Speculation):
                         self.prefills.remove(req)
                         self.decodes.append(req)
             t0 = time.perf_counter()
+            t_lock = t0
             try:
                 with self.host.compute:
+                    t_lock = time.perf_counter()
                     rows, plan = self._open_only(rows, plan)
                     guessing = self.guessing(rows, plan)  # the next step is queued before this one is waited for
                     logits = self._step(rows, plan, wait=not guessing)
@@ -334,6 +336,7 @@ class StepScheduler(Speculation):
             if self._trace:
                 self._trace.write(json.dumps({
                     "t": round(t0, 6), "forward_ms": round((t1 - t0) * 1e3, 2),
+                    "lock_ms": round((t_lock - t0) * 1e3, 2),  # of forward_ms: waiting for the compute lock
                     "guests_ms": round((time.perf_counter() - t1) * 1e3, 2),
                     "rows": [[r.session.id, len(r.session.history)] for r in rows],
                     "prompts": [[q.session.id, len(c)] for q, c in plan]}) + "\n")

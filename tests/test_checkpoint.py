@@ -127,6 +127,32 @@ def test_chunked_stream_appends_in_place(host):
     assert r.caches[0].keys.shape[2] <= 512
 
 
+def test_extract_on_an_accelerator_reads_its_copies_after_the_hold(host, monkeypatch):
+    """On a GPU a pre-copy hold only queues device copies; they are read once the
+    hold is over, and give the bytes the host's path gives."""
+    s = host.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    twin = host.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    chat_turns(s, ["one two three"])
+    chat_turns(twin, ["one two three"])
+    want = [(i, a, b, k[0].copy(), v[0].copy()) for i, a, b, k, v, _ in snapshot.Snapshotter(s, "raw").extract(chunk=5)]
+    monkeypatch.setattr(snapshot, "host_memory", lambda: False)
+    held = []
+
+    class Hold:
+        def __enter__(self):
+            held.append(1)
+
+        def __exit__(self, *exc):
+            held.pop()
+    got = []
+    for i, a, b, k, v, meta in snapshot.Snapshotter(s, "raw").extract(chunk=5, lock=Hold()):
+        assert not held and meta is None
+        got.append((i, a, b, k[0], v[0]))
+    assert len(got) == len(want) == len(s.cache) * -(-len(s.history) // 5)
+    assert all(x[:3] == y[:3] and np.array_equal(x[3], y[3]) and np.array_equal(x[4], y[4]) for x, y in zip(got, want))
+    assert chat_turns(s, ["four"]) == chat_turns(twin, ["four"])
+
+
 def test_codecs_roundtrip_and_ratios():
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((1, 3, 200, 64)) * np.exp(rng.standard_normal((1, 3, 1, 64)))).astype(np.float32)

@@ -17,7 +17,9 @@ from .slots import Slot, TurnFeed
 from .transport import abort
 
 RUNNING_WAIT = 5.0  # s: how long the target waits for a landed turn's first token before it reports
-ACK_EVERY_FRAMES, ACK_EVERY_BYTES = 16, 4 << 20  # the target acks this often (< the source's window)
+# the target acks this often (< the source's window): about every pre-copy frame of
+# KV, so that what a source still has in flight when it pauses is small
+ACK_EVERY_FRAMES, ACK_EVERY_BYTES = 16, 1 << 20
 PREPARED_TTL = 120.0
 
 

@@ -136,6 +136,9 @@ class MigrationSource:
                     # short holds of the compute lock to copy, encoding outside them;
                     # each frame goes out as soon as it is encoded
                     link.send(sn.encode(sn.extract(upto, lock=self.host.compute, chunk=chunk)))
+                    # the target lands what it was sent before the pause, not in it: a
+                    # backlog (up to the window) landed inside the pause lengthened it
+                    link.settle()
                     if len(s.history) - sn.sent_tokens < t.final_delta:
                         break
             sn.rate = 0.0
@@ -369,16 +372,19 @@ class _Link:
         between the first and the last of them, MB/s (the start, while HTTP/2's
         windows and the connection warm up, is left out), or 0.0 when fewer than
         two acks came."""
-        def owed() -> bool:
-            unacked = self.bytes - (self.ends[self.acked - 1] if self.acked else 0)
-            return len(self.frames) - self.acked >= ACK_EVERY_FRAMES or unacked >= ACK_EVERY_BYTES
         first = len(self.ack_times)
-        while owed():
-            self._next_ack()
+        self.settle()
         acks = [a for a in self.ack_times[first:] if a[1] > since]
         if len(acks) < 2 or acks[-1][0] <= acks[0][0]:
             return 0.0
         return (acks[-1][1] - acks[0][1]) / 1e6 / (acks[-1][0] - acks[0][0])
+
+    def settle(self) -> None:
+        """Read the acks the target owes: until what it has not acknowledged is less
+        than it acks at once (ACK_EVERY_FRAMES frames, ACK_EVERY_BYTES bytes)."""
+        while (len(self.frames) - self.acked >= ACK_EVERY_FRAMES
+               or self.bytes - (self.ends[self.acked - 1] if self.acked else 0) >= ACK_EVERY_BYTES):
+            self._next_ack()
 
     def wait_restored(self) -> None:
         while self.state != "restored":

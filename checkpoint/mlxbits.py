@@ -14,12 +14,19 @@ from .errors import CheckpointError, OutOfMemoryError
 
 def mx_bits(a) -> tuple[np.ndarray, str]:
     """An MLX array -> (its bits as an unsigned numpy array, dtype name)."""
+    u, name = mx_bits_lazy(a)
+    return np.array(u), name
+
+
+def mx_bits_lazy(a) -> tuple:
+    """An MLX array -> (its bits as an unsigned MLX array, dtype name), not evaluated:
+    many can be evaluated at once (one wait on a GPU), then read with ``np.array``."""
     import mlx.core as mx
 
     name = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16",
             mx.uint32: "uint32", mx.int32: "int32", mx.uint8: "uint8"}[a.dtype]
     view = {"float32": mx.uint32, "float16": mx.uint16, "bfloat16": mx.uint16}.get(name)
-    return np.array(a.view(view) if view is not None else a), name
+    return (a.view(view) if view is not None else a), name
 
 
 def np_kind(dtype) -> tuple[type, str] | None:

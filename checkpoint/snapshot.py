@@ -22,13 +22,16 @@ import numpy as np
 from . import codecs
 from .errors import CheckpointError
 from .frames import GUEST, HEADER, KV, STATE, FrameWriter
-from .mlxbits import host_memory, mx_bits, np_kind
+from .mlxbits import host_memory, mx_bits, mx_bits_lazy, np_kind
 
 
 def cache_kind(c) -> str:
     """The mlx-lm cache class a checkpoint records for ``c`` (a resident row's cache,
     kvferry.resident.ResidentKV, is a KVCache's)."""
     return getattr(type(c), "checkpoint_kind", type(c).__name__)
+
+
+DEVICE_BATCH_BYTES = 64 << 20  # KV copied on an accelerator before one wait: bounds the extra memory
 
 
 class Snapshotter:
@@ -110,7 +113,7 @@ class Snapshotter:
         if self.kind == "KVCache" and np_kind(caches[0].state[0].dtype) is not None and host_memory():
             yield from self._extract_np(pieces, n, lock, budget)
             return
-        if lock is not None and not host_memory():
+        if not host_memory():
             yield from self._extract_device(pieces, n, lock)
             return
         j = 0
@@ -141,44 +144,44 @@ class Snapshotter:
         return state
 
     def _extract_device(self, pieces: list[tuple[int, int, int]], n: int, lock) -> Iterator[tuple]:
-        """:meth:`extract` beside a generating session on an accelerator: a hold only
-        queues copies of a few pieces on the device (microseconds), and they are
-        waited for and read on the host after it. Waiting inside the hold, as the
-        CPU does, waited for the step in flight (a speculated one, say) and then
-        read unified memory while the session's next step could not start: on the
-        H200, 1B shape, holds of 4-7 ms beside 3.5 ms steps, and pre-copy's worst
-        step 2-3.6x a normal one. The copies keep the cache's buffer referenced
-        until they run, so a step meanwhile writes a copy of it: bytes the device
-        moves in microseconds."""
+        """:meth:`extract` on an accelerator: a hold only queues device copies of a
+        few pieces (microseconds); they are waited for once, after it, and read on
+        the host. Waiting inside the hold, as the CPU does, waited for the step in
+        flight (a speculated one, say) and then read unified memory while the
+        session's next step could not start: on the H200, 1B shape, holds of 4-7 ms
+        beside 3.5 ms steps, and pre-copy's worst step 2-3.6x a normal one. Without
+        a lock (a paused session's last delta) every piece is queued at once: one
+        wait instead of one per piece. The copies keep the cache's buffer
+        referenced until they run, so a step meanwhile writes a copy of it: bytes
+        the device moves in microseconds."""
         import mlx.core as mx
 
-        per_hold = 8
+        per_hold = 8 if lock is not None else len(pieces)
         j = 0
         while j < len(pieces):
-            queued = []
-            with lock:
+            queued, size = [], 0
+            with lock if lock is not None else contextlib.nullcontext():
                 start = time.perf_counter()
-                for i, a, b in pieces[j:j + per_hold]:
+                while j + len(queued) < len(pieces) and len(queued) < per_hold and size < DEVICE_BATCH_BYTES:
+                    i, a, b = pieces[j + len(queued)]
                     keys, values, _, *meta = self._layer(i, n)
-                    if self.kind == "KVCache":
-                        queued.append((i, a, b, mx.contiguous(keys[..., a:b, :]),
-                                       mx.contiguous(values[..., a:b, :]), None))
-                    else:
-                        queued.append((i, a, b, [mx.contiguous(x[..., a:b, :]) for x in keys],
-                                       [mx.contiguous(x[..., a:b, :]) for x in values],
-                                       {"group_size": meta[0], "bits": meta[1]}))
+                    sides = [[mx_bits_lazy(mx.contiguous(x[..., a:b, :])) for x in side]
+                             for side in (([keys], [values]) if self.kind == "KVCache" else (keys, values))]
+                    size += sum(u.nbytes for side in sides for u, _ in side)
+                    queued.append((i, a, b, sides, None if self.kind == "KVCache"
+                                   else {"group_size": meta[0], "bits": meta[1]}))
                     del keys, values
-                mx.async_eval([x for q in queued for side in q[3:5] for x in (side if isinstance(side, list) else [side])])
+                mx.async_eval([u for q in queued for side in q[3] for u, _ in side])
                 j += len(queued)
                 self.busy["extract"] += time.perf_counter() - start
-            for i, a, b, k, v, meta in queued:  # the copies are this thread's: read without the lock
+            began = time.perf_counter()
+            mx.eval([u for q in queued for side in q[3] for u, _ in side])  # the copies are this thread's:
+            self.busy["extract"] += time.perf_counter() - began           # waited for without the lock
+            for i, a, b, (k, v), meta in queued:
                 began = time.perf_counter()
-                if meta is None:
-                    piece = (i, a, b, mx_bits(k), mx_bits(v), None)
-                else:
-                    piece = (i, a, b, [mx_bits(x) for x in k], [mx_bits(x) for x in v], meta)
+                k, v = [(np.array(u), name) for u, name in k], [(np.array(u), name) for u, name in v]
                 self.busy["extract"] += time.perf_counter() - began
-                yield piece
+                yield (i, a, b, k[0], v[0], None) if meta is None else (i, a, b, k, v, meta)
 
     def _extract_np(self, pieces: list[tuple[int, int, int]], n: int, lock, budget: float) -> Iterator[tuple]:
         """:meth:`extract` for float32/float16 ``KVCache``: numpy copies pieces

@@ -150,6 +150,10 @@ def test_extract_on_an_accelerator_reads_its_copies_after_the_hold(host, monkeyp
         got.append((i, a, b, k[0], v[0]))
     assert len(got) == len(want) == len(s.cache) * -(-len(s.history) // 5)
     assert all(x[:3] == y[:3] and np.array_equal(x[3], y[3]) and np.array_equal(x[4], y[4]) for x, y in zip(got, want))
+    # without a lock (a paused session's last delta, a stop-and-copy): in batches, the same bytes
+    monkeypatch.setattr(snapshot, "DEVICE_BATCH_BYTES", 3 * want[0][3].nbytes)
+    whole = [(i, a, b, k[0].copy(), v[0].copy()) for i, a, b, k, v, _ in snapshot.Snapshotter(s, "raw").extract(chunk=5)]
+    assert all(x[:3] == y[:3] and np.array_equal(x[3], y[3]) and np.array_equal(x[4], y[4]) for x, y in zip(whole, want))
     assert chat_turns(s, ["four"]) == chat_turns(twin, ["four"])
 
 

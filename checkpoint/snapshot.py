@@ -150,8 +150,10 @@ class Snapshotter:
         flight (a speculated one, say) and then read unified memory while the
         session's next step could not start: on the H200, 1B shape, holds of 4-7 ms
         beside 3.5 ms steps, and pre-copy's worst step 2-3.6x a normal one. Without
-        a lock (a paused session's last delta) every piece is queued at once: one
-        wait instead of one per piece. The copies keep the cache's buffer
+        a lock (a paused session's last delta, a stop-and-copy) up to
+        DEVICE_BATCH_BYTES of pieces are queued at once: one wait per batch, not one
+        per piece (a stop-and-copy's raw transfer on the H200 went from 194 to 430
+        MB/s, 1B shape at 2k tokens). The copies keep the cache's buffer
         referenced until they run, so a step meanwhile writes a copy of it: bytes
         the device moves in microseconds."""
         import mlx.core as mx

@@ -32,6 +32,7 @@ Checkpoints written with the earlier affine codec (``q8``/``q4``) still load.
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import zstandard as zstd
@@ -46,15 +47,27 @@ FLOATS = ("float32", "float16", "bfloat16")
 MODES = ("lossless", "raw", "int8", "int4")
 LEVEL = 3
 
-_cctx = {}
-_dctx = zstd.ZstdDecompressor()
+# zstd contexts are not thread-safe: shared by a host's migrations, drains and
+# restores at once they corrupted its heap and killed it (`bench chaos`). One each
+# per thread, kept for its next call.
+_local = threading.local()
+
+
+def _cctx(level: int) -> zstd.ZstdCompressor:
+    cs = _local.__dict__.setdefault("c", {})
+    if (c := cs.get(level)) is None:
+        c = cs[level] = zstd.ZstdCompressor(level=level)
+    return c
+
+
+def _dctx() -> zstd.ZstdDecompressor:
+    if (d := getattr(_local, "d", None)) is None:
+        d = _local.d = zstd.ZstdDecompressor()
+    return d
 
 
 def _z(data: bytes | memoryview, level: int = LEVEL) -> bytes:
-    c = _cctx.get(level)
-    if c is None:
-        c = _cctx[level] = zstd.ZstdCompressor(level=level)
-    return c.compress(data)
+    return _cctx(level).compress(data)
 
 
 def _unz(data: bytes, cap: int, where: str) -> bytes:
@@ -66,8 +79,8 @@ def _unz(data: bytes, cap: int, where: str) -> bytes:
             raise CheckpointError(f"{where}: zstd stream declares {size} bytes, larger than declared "
                                   f"for the tensor ({cap})")
         if size >= 0:
-            return _dctx.decompress(data)
-        with _dctx.stream_reader(data) as r:
+            return _dctx().decompress(data)
+        with _dctx().stream_reader(data) as r:
             out = r.read(cap + 1)
     except zstd.ZstdError as e:
         raise CheckpointError(f"{where}: zstd stream is corrupt ({e})") from None

@@ -233,13 +233,15 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
             lost = len(gone) - on_killed
             lost_ids = [sid for sid in gone if not sessions[sid]["on_killed"]]
             never_killed = [r for r in sessions.values() if not r["on_killed"] and r["done"]]
+            # a loss is a bug: each host's last words say where to look
+            logs = {h.address: [x.rstrip() for x in h.log[-60:]] for h in hosts} if lost_ids else {}
         finally:
             for h in hosts:
                 h.stop()
     return {**stats, "duration_s": duration, "clients": clients, "hosts": 3,
             "sessions_on_killed_host": on_killed, "sessions_lost": lost, "lost_ids": lost_ids,
             "lost": [{k: v for k, v in sessions[sid].items() if k != "handle"} | {"id": sid} for sid in lost_ids],
-            "sessions_saved_by_drain": len(saved),
+            "sessions_saved_by_drain": len(saved), "host_logs": logs,
             "sessions_duplicated": sum(len(v) > 1 for v in where.values()),
             "greedy_identical_to_twin": round(sum(r["identical"] for r in never_killed) / max(1, len(never_killed)), 4),
             "drain_moved": drain_log.count(": moved "), "drain_saved": drain_log.count(": saved "),

@@ -436,3 +436,57 @@ def test_save_never_writes_through_a_planted_symlink(host, tmp_path):
     finally:
         host.close_session(s.id)
     assert victim.read_bytes() == b"precious" and path.read_bytes()[:4] != b"prec"
+
+
+def test_a_frame_joins_large_payloads_into_msgpacks_own_bytes():
+    """encode_frame splices payloads past SPLICE_BYTES in by reference; the frame
+    must be byte for byte what msgpack packs (old checkpoints and readers agree)."""
+    import msgpack
+    import xxhash
+
+    from kvferry.checkpoint import frames
+
+    def packed(obj):
+        body = msgpack.packb(obj, use_bin_type=True)
+        return frames.FRAME_HEAD.pack(KV, 0, 0, len(body), xxhash.xxh64(bytes([KV]) + body).intdigest()) + body
+
+    rng = np.random.default_rng(0)
+    for n in (0, 255, 256, frames.SPLICE_BYTES - 1, frames.SPLICE_BYTES, (1 << 16) + 1, (3 << 19) + 7):
+        u = rng.integers(0, 255, n, dtype=np.uint8)
+        for obj in ({"layer": 3, "keys": {"codec": "raw", "parts": [memoryview(u).cast("B")], "meta": {}},
+                     "values": [u.tobytes(), b"x", 1.5, None, True, -3, "s" * 300]},
+                    [u.tobytes(), (1, 2), {"a": {"b": bytearray(u.tobytes())}}], u.tobytes()):
+            frame = frames.encode_frame(KV, obj)
+            assert frame == packed(obj), n
+            body = frames.unpack(frame[frames.FRAME_HEAD.size:], "test")
+            assert body == msgpack.unpackb(msgpack.packb(obj, use_bin_type=True), raw=False)
+    with pytest.raises(CheckpointError, match="exceeds the 256 MiB frame limit"):
+        frames.encode_frame(KV, [b"\0" * (frames.MAX_BODY + 1)])
+
+
+def test_codecs_from_many_threads_at_once():
+    """A host encodes and decodes on many threads at once (migrations, drains,
+    restores): zstd contexts shared between them corrupted the heap and killed
+    the host. In a child process, so a crash is a failure here, not the suite's."""
+    code = """
+import sys, threading
+import numpy as np
+from kvferry.checkpoint import codecs
+errors = []
+def work(seed):
+    rng = np.random.default_rng(seed)
+    try:
+        for _ in range(150):
+            u = rng.integers(0, 1 << 16, (4, 256, 64), dtype=np.uint16)
+            back = codecs.decode(codecs.encode(u, "bfloat16", "lossless"), "t")
+            assert np.array_equal(np.asarray(back).view(np.uint16).reshape(u.shape), u)
+    except Exception as e:
+        errors.append(repr(e))
+ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+print(errors[:3])
+sys.exit(1 if errors else 0)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stdout[-500:], r.stderr[-1500:])

@@ -64,21 +64,50 @@ def preamble() -> bytes:
     return PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0)
 
 
+SPLICE_BYTES = 1 << 16  # payloads this large are joined into their frame, not copied into msgpack's buffer
+
+
+def _bin_head(n: int) -> bytes:
+    """msgpack's bin header for ``n`` bytes (the smallest that fits, as msgpack packs)."""
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def _pieces(obj: Any, packer: msgpack.Packer, out: list) -> None:
+    """``obj`` packed as msgpack packs it, as a list of buffers: the small parts
+    packed, each large payload by reference (a view is never copied here)."""
+    if isinstance(obj, dict):
+        out.append(packer.pack_map_header(len(obj)))
+        for k, v in obj.items():
+            out.append(packer.pack(k))
+            _pieces(v, packer, out)
+    elif isinstance(obj, (list, tuple)):
+        out.append(packer.pack_array_header(len(obj)))
+        for v in obj:
+            _pieces(v, packer, out)
+    elif isinstance(obj, (bytes, bytearray, memoryview)) and (n := memoryview(obj).nbytes) >= SPLICE_BYTES:
+        out += (_bin_head(n), obj)
+    else:
+        out.append(packer.pack(obj))
+
+
 def encode_frame(kind: int, obj: Any) -> bytes:
-    # packed in place, then joined to its head: a large payload is copied twice at
-    # most on its way into the frame (KV moves at memory speed, see docs/migration.md)
-    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
-    packer.pack(obj)
-    body = packer.getbuffer()
-    if len(body) > MAX_BODY:
-        raise CheckpointError(f"{KIND_NAMES.get(kind, kind)} frame of {len(body)} bytes exceeds "
+    # A large payload is copied once, by the join, which lets go of the GIL (past
+    # 1 MiB) as the hash does: a generating session's thread runs on meanwhile
+    # (msgpack's own buffer held it for each copy, see docs/migration.md).
+    pieces: list = []
+    _pieces(obj, msgpack.Packer(use_bin_type=True), pieces)
+    size = sum(memoryview(p).nbytes for p in pieces)
+    if size > MAX_BODY:
+        raise CheckpointError(f"{KIND_NAMES.get(kind, kind)} frame of {size} bytes exceeds "
                               f"the {MAX_BODY >> 20} MiB frame limit")
     h = xxhash.xxh64(bytes([kind]))
-    h.update(body)
-    try:
-        return b"".join((FRAME_HEAD.pack(kind, 0, 0, len(body), h.intdigest()), body))
-    finally:
-        body.release()
+    for p in pieces:
+        h.update(p)
+    return b"".join((FRAME_HEAD.pack(kind, 0, 0, size, h.intdigest()), *pieces))
 
 
 class FrameWriter:

@@ -34,7 +34,30 @@ RUNNING_WAIT = 5.0  # s: how long a source keeps a moved session's memory for th
 PRECOPY_STEP_BYTES = 3 << 20  # live pre-copy default: ~3 MB of KV per step of the generating session
 PRECOPY_RATE = 40e6  # ... and 40 MB/s while it is not generating
 PRECOPY_MAX = {"cpu": 80e6, "gpu": 1e9}  # pace cap: a CPU's generation shares its memory bandwidth
+TRANSFER = "/kvferry.v1.Migration/Transfer"
 PRECOPY_CHUNK = 3 << 19  # pre-copy frames carry ~1.5 MB of one layer's KV (a token range)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def frame_message(seq: int, data: bytes) -> bytes:
+    """``MigrationMessage(frame=FramePart(seq, data))`` as protobuf encodes it, by
+    hand: one join, which lets go of the GIL for a large frame, where building and
+    serializing the message copied the frame twice holding it (a generating
+    session's thread waits for the GIL meanwhile)."""
+    part = b"\x08" + _varint(seq) + b"\x12" + _varint(len(data))  # FramePart: 1 seq, 2 data
+    return b"".join((b"\x12", _varint(len(part) + len(data)), part, data))  # MigrationMessage: 2 frame
+
+
+def _serialize(m: Any) -> bytes:
+    return m if isinstance(m, bytes) else m.SerializeToString()
 
 
 def precopy_rate(s, device: str = "cpu") -> float:
@@ -290,8 +313,9 @@ class _Link:
             while (m := q.get()) is not None:
                 yield m
         self.ch = channel(self.t.target, self.srv.client_tls)
-        stub = pbg.MigrationStub(self.ch)
-        self.acks = stub.Transfer(gen(), metadata=auth_metadata(self.t.token or self.srv.token), timeout=600)
+        transfer = self.ch.stream_stream(TRANSFER, request_serializer=_serialize,  # frames come encoded
+                                         response_deserializer=pb.MigrationAck.FromString)
+        self.acks = transfer(gen(), metadata=auth_metadata(self.t.token or self.srv.token), timeout=600)
         q.put(pb.MigrationMessage(begin=pb.Begin(migration_id=self.mid, session_id=self.sid,
                                                  fingerprint=self.s.lm.fingerprint, source=self.srv.address)))
         ack = next(self.acks)
@@ -299,7 +323,7 @@ class _Link:
             self.frames[seq] = b""  # verified by the target: never resent, so not kept
         self.acked, self.state = max(self.acked, ack.next_seq), ack.state
         for seq in range(self.acked, len(self.frames)):  # resume: resend what was not verified
-            q.put(pb.MigrationMessage(frame=pb.FramePart(seq=seq, data=self.frames[seq])))
+            q.put(frame_message(seq, self.frames[seq]))
 
     @property
     def bytes(self) -> int:
@@ -345,7 +369,7 @@ class _Link:
                     len(self.frames) - self.acked >= WINDOW_FRAMES
                     or self.bytes - (self.ends[self.acked - 1] if self.acked else 0) >= WINDOW_BYTES):
                 self._next_ack()
-            self.reqs.put(pb.MigrationMessage(frame=pb.FramePart(seq=len(self.frames), data=f)))
+            self.reqs.put(frame_message(len(self.frames), f))
             self.frames.append(f)
             self.ends.append(self.bytes + len(f))
 

@@ -110,11 +110,11 @@ class Snapshotter:
         self.sent_tokens = n
         step = max(1, chunk or n - t0)
         pieces = [(i, a, min(a + step, n)) for i in range(len(caches)) for a in range(t0, n, step)]
-        if self.kind == "KVCache" and np_kind(caches[0].state[0].dtype) is not None and host_memory():
-            yield from self._extract_np(pieces, n, lock, budget)
-            return
         if not host_memory():
             yield from self._extract_device(pieces, n, lock)
+            return
+        if self.kind == "KVCache" and np_kind(caches[0].state[0].dtype) is not None:
+            yield from self._extract_np(pieces, n, lock, budget)
             return
         j = 0
         while j < len(pieces):
@@ -123,7 +123,7 @@ class Snapshotter:
                 start = time.perf_counter()
                 while j < len(pieces) and (not out or lock is None or time.perf_counter() - start < budget):
                     i, a, b = pieces[j]
-                    keys, values, offset, *meta = self._layer(i, n)
+                    keys, values, _, *meta = self._layer(i, n)
                     if self.kind == "KVCache":
                         k, v = keys[..., a:b, :], values[..., a:b, :]
                         mx.eval(k, v)
@@ -138,6 +138,7 @@ class Snapshotter:
             yield from out  # encoded outside the hold
 
     def _layer(self, i: int, n: int) -> tuple:
+        """Layer ``i``'s cache state, refused if it holds fewer than ``n`` tokens."""
         state = self.caches[i].state
         if state[2] < n:
             raise CheckpointError(f"layer {i} cache holds {state[2]} tokens, history has {n}")
@@ -173,12 +174,14 @@ class Snapshotter:
                     queued.append((i, a, b, sides, None if self.kind == "KVCache"
                                    else {"group_size": meta[0], "bits": meta[1]}))
                     del keys, values
-                mx.async_eval([u for q in queued for side in q[3] for u, _ in side])
+                copies = [u for q in queued for side in q[3] for u, _ in side]
+                mx.async_eval(copies)
                 j += len(queued)
                 self.busy["extract"] += time.perf_counter() - start
             began = time.perf_counter()
-            mx.eval([u for q in queued for side in q[3] for u, _ in side])  # the copies are this thread's:
-            self.busy["extract"] += time.perf_counter() - began           # waited for without the lock
+            mx.eval(copies)  # the copies are this thread's: waited for without the lock
+            del copies
+            self.busy["extract"] += time.perf_counter() - began
             for i, a, b, (k, v), meta in queued:
                 began = time.perf_counter()
                 k, v = [(np.array(u), name) for u, name in k], [(np.array(u), name) for u, name in v]

@@ -329,6 +329,11 @@ class _Link:
     def bytes(self) -> int:
         return self.ends[-1] if self.ends else 0
 
+    @property
+    def unacked_bytes(self) -> int:
+        """Bytes sent and not yet acknowledged by the target."""
+        return self.bytes - (self.ends[self.acked - 1] if self.acked else 0)
+
     def _next_ack(self) -> None:
         """Read one ack. On a dropped link, reconnect instead: the target's answer to
         the new Begin (its last verified frame, or that it already committed) counts."""
@@ -366,8 +371,7 @@ class _Link:
     def send(self, frames: Iterable[bytes]) -> None:
         for f in frames:
             while self.acked < len(self.frames) and (
-                    len(self.frames) - self.acked >= WINDOW_FRAMES
-                    or self.bytes - (self.ends[self.acked - 1] if self.acked else 0) >= WINDOW_BYTES):
+                    len(self.frames) - self.acked >= WINDOW_FRAMES or self.unacked_bytes >= WINDOW_BYTES):
                 self._next_ack()
             self.reqs.put(frame_message(len(self.frames), f))
             self.frames.append(f)
@@ -406,8 +410,7 @@ class _Link:
     def settle(self) -> None:
         """Read the acks the target owes: until what it has not acknowledged is less
         than it acks at once (ACK_EVERY_FRAMES frames, ACK_EVERY_BYTES bytes)."""
-        while (len(self.frames) - self.acked >= ACK_EVERY_FRAMES
-               or self.bytes - (self.ends[self.acked - 1] if self.acked else 0) >= ACK_EVERY_BYTES):
+        while len(self.frames) - self.acked >= ACK_EVERY_FRAMES or self.unacked_bytes >= ACK_EVERY_BYTES:
             self._next_ack()
 
     def wait_restored(self) -> None:

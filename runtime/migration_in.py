@@ -11,6 +11,7 @@ from typing import Any
 from .checkpoint.frames import FrameDecoder
 from .checkpoint.restore import Restorer
 from .errors import KvferryError, MigrationError, ModelMismatchError, SessionExistsError
+from .migration_wire import FrameView, read_message
 from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
 from .slots import Slot, TurnFeed
@@ -79,7 +80,7 @@ class MigrationTarget(pbg.MigrationServicer):
         acked_seq, unacked = 0, 0
         try:
             for msg in request_iterator:
-                kind = msg.WhichOneof("kind")
+                kind = "frame" if isinstance(msg, FrameView) else msg.WhichOneof("kind")
                 if inc is not None:
                     inc.touched = time.monotonic()
                 if kind == "begin":
@@ -108,18 +109,19 @@ class MigrationTarget(pbg.MigrationServicer):
                 elif kind == "frame":
                     if inc is None:
                         raise KvferryError("frame before begin")
-                    f = msg.frame
+                    f = msg if isinstance(msg, FrameView) else msg.frame
                     if f.seq < inc.next_seq:
                         continue  # a resend after reconnect: already verified
                     if f.seq > inc.next_seq:
                         raise KvferryError(f"frame {f.seq} arrived, expected {inc.next_seq}")
+                    data = f.data  # once: protobuf's .data is a fresh copy each time
                     began = time.perf_counter()
-                    for fr in inc.decoder.feed(f.data):
+                    for fr in inc.decoder.feed(data):
                         inc.restorer.apply(fr)
                     landed = time.perf_counter()
                     inc.land_s += landed - began
                     inc.next_seq += 1
-                    unacked += len(f.data)
+                    unacked += len(data)
                     if inc.decoder.done and inc.prepared is None:
                         inc.prepared = inc.restorer.commit()
                         yield pb.MigrationAck(state="restored", next_seq=inc.next_seq, session_id=inc.session_id,
@@ -189,3 +191,19 @@ class MigrationTarget(pbg.MigrationServicer):
 
     def Status(self, ref, context):
         return pb.MigrationAck(state=status(self.srv, ref.migration_id), session_id=ref.session_id)
+
+    def add_to_server(self, server: Any) -> None:
+        """The generated registration, but Transfer's requests read by
+        :func:`read_message` (a frame's bytes not copied)."""
+        import grpc
+
+        handlers = {
+            "Transfer": grpc.stream_stream_rpc_method_handler(
+                self.Transfer, request_deserializer=read_message,
+                response_serializer=pb.MigrationAck.SerializeToString),
+            "Status": grpc.unary_unary_rpc_method_handler(
+                self.Status, request_deserializer=pb.MigrationRef.FromString,
+                response_serializer=pb.MigrationAck.SerializeToString),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvferry.v1.Migration", handlers),))
+        server.add_registered_method_handlers("kvferry.v1.Migration", handlers)

@@ -20,6 +20,7 @@ from .checkpoint.snapshot import Snapshotter
 from .errors import CODES, AuthError, ForbiddenError, HostDownError, KvferryError, MigrationError, RemoteError
 from .linkaware import PROBE_BYTES, SAMPLE_BYTES, choose, codec_costs
 from .migration_in import ACK_EVERY_BYTES, ACK_EVERY_FRAMES
+from .migration_wire import frame_message
 from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
 from .slots import Slot
@@ -36,24 +37,6 @@ PRECOPY_RATE = 40e6  # ... and 40 MB/s while it is not generating
 PRECOPY_MAX = {"cpu": 80e6, "gpu": 1e9}  # pace cap: a CPU's generation shares its memory bandwidth
 TRANSFER = "/kvferry.v1.Migration/Transfer"
 PRECOPY_CHUNK = 3 << 19  # pre-copy frames carry ~1.5 MB of one layer's KV (a token range)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def frame_message(seq: int, data: bytes) -> bytes:
-    """``MigrationMessage(frame=FramePart(seq, data))`` as protobuf encodes it, by
-    hand: one join, which lets go of the GIL for a large frame, where building and
-    serializing the message copied the frame twice holding it (a generating
-    session's thread waits for the GIL meanwhile)."""
-    part = b"\x08" + _varint(seq) + b"\x12" + _varint(len(data))  # FramePart: 1 seq, 2 data
-    return b"".join((b"\x12", _varint(len(part) + len(data)), part, data))  # MigrationMessage: 2 frame
 
 
 def _serialize(m: Any) -> bytes:

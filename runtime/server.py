@@ -110,7 +110,7 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
         self.server = grpc.server(self.executor, options=options, interceptors=[AuthInterceptor(keys, self.quota)],
                                   maximum_concurrent_rpcs=policy.max_concurrent_rpcs)
         pbg.add_SessionsServicer_to_server(_Sessions(self), self.server)
-        pbg.add_MigrationServicer_to_server(MigrationTarget(self), self.server)
+        MigrationTarget(self).add_to_server(self.server)
         # grpc.health.v1 for load balancers and probes (no token: it tells only the status)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -418,7 +418,7 @@ def test_a_frame_message_built_by_hand_is_what_protobuf_reads():
     copies); the target parses them with protobuf, so they must agree."""
     import os
 
-    from kvferry.migration_out import frame_message
+    from kvferry.migration_wire import frame_message
     from kvferry.proto import kvferry_pb2 as pb
 
     for seq in (0, 1, 127, 128, 300, 1 << 40):
@@ -429,3 +429,44 @@ def test_a_frame_message_built_by_hand_is_what_protobuf_reads():
             if seq and n:  # protobuf leaves zero fields out; otherwise the bytes are its own
                 assert frame_message(seq, data) == pb.MigrationMessage(
                     frame=pb.FramePart(seq=seq, data=data)).SerializeToString()
+
+
+def test_the_target_reads_frame_messages_in_place_and_anything_else_as_protobuf():
+    """The target reads a frame message as the source writes it as a view of the
+    received bytes; every other encoding protobuf accepts (fields left out or
+    reordered, unknown fields, other kinds) reads as protobuf does, and bytes that
+    are no message raise protobuf's error (grpc answers it, not the handler)."""
+    import os
+
+    from google.protobuf.message import DecodeError
+
+    from kvferry.migration_wire import FrameView, _varint, frame_message, read_message
+    from kvferry.proto import kvferry_pb2 as pb
+
+    for seq in (0, 1, 300, 1 << 40):
+        for n in (0, 1, 200, 3 << 19):
+            data = os.urandom(n)
+            raw = frame_message(seq, data)
+            m = read_message(raw)
+            assert isinstance(m, FrameView) and m.seq == seq and bytes(m.data) == data
+            assert m.data.obj is raw  # a view, not a copy
+            # what protobuf itself writes (zero seq or data left out) reads alike
+            m = read_message(pb.MigrationMessage(frame=pb.FramePart(seq=seq, data=data)).SerializeToString())
+            f = m if isinstance(m, FrameView) else m.frame
+            assert (f.seq, bytes(f.data)) == (seq, data)
+    data = os.urandom(1000)
+    reordered = b"\x12" + _varint(len(data)) + data + b"\x08\x07"  # FramePart's data, then its seq
+    others = [
+        b"\x12" + _varint(len(reordered)) + reordered,
+        pb.MigrationMessage(frame=pb.FramePart(seq=7, data=data)).SerializeToString() + b"\x28\x01",  # unknown field
+        pb.MigrationMessage(begin=pb.Begin(migration_id="m", session_id="s")).SerializeToString(),
+        pb.MigrationMessage(commit=pb.Empty()).SerializeToString(),
+        pb.MigrationMessage(abort=pb.Empty()).SerializeToString(),
+    ]
+    for raw in others:
+        got = read_message(raw)
+        assert not isinstance(got, FrameView) and got == pb.MigrationMessage.FromString(raw)
+    raw = frame_message(7, data)
+    for bad in (raw[:-1], raw[:3], raw + b"\xff", b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01"):
+        with pytest.raises(DecodeError):
+            read_message(bad)

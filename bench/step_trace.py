@@ -9,7 +9,7 @@ the migration, alone. For each context this pools, over the reps, the migrated
 session's steps on the source after the first ``--skip`` (its prompt and the
 tokens before the migration starts: what is left ran beside pre-copy) and the
 twin's steps at the same indices. It prints the period between steps and the
-trace's ``forward_ms``, ``guests_ms`` and ``lock_ms``, p50 / p90 / max.
+trace's ``forward_ms``, ``guests_ms``, ``lock_ms`` and ``gc_ms``, p50 / p90 / max.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-FIELDS = ("period", "forward_ms", "guests_ms", "lock_ms")
+FIELDS = ("period", "forward_ms", "guests_ms", "lock_ms", "gc_ms")
 
 
 def _steps(folder: str) -> dict[str, dict[str, list[dict]]]:
@@ -41,7 +41,7 @@ def _steps(folder: str) -> dict[str, dict[str, list[dict]]]:
 def _figures(steps: list[dict]) -> dict[str, list[float]]:
     f = {"period": [(b["t"] - a["t"]) * 1e3 for a, b in zip(steps, steps[1:])]}
     for k in FIELDS[1:]:
-        f[k] = [s.get(k, 0.0) for s in steps[1:]]
+        f[k] = [s[k] for s in steps[1:] if k in s]  # gc_ms: not in traces older than it
     return f
 
 
@@ -82,7 +82,7 @@ def main() -> None:
         for side in ("migrated", "twin"):
             r = row[side]
             print(f"{ctx:>6} {side:<8} steps {r['steps']:>4}  " + "  ".join(
-                f"{k} {'/'.join(map(str, r[k]))}" for k in FIELDS) + "  (ms, p50/p90/max)")
+                f"{k} {'/'.join(map(str, r[k])) or '-'}" for k in FIELDS) + "  (ms, p50/p90/max)")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from collections import deque
 from typing import Any
 
 from .batch_attention import PackedCaches, RowCaches, install, install_packed
+from .collector import paused_seconds
 from .errors import ConfigError, SessionError
 from .prefill_thread import PrefillThread, eligible, private_copy
 from .prompt_budget import PromptBudget
@@ -304,7 +305,7 @@ class StepScheduler(Speculation):
                         self.prefills.remove(req)
                         self.decodes.append(req)
             t0 = time.perf_counter()
-            t_lock = t0
+            t_lock, gc0 = t0, paused_seconds()
             try:
                 with self.host.compute:
                     t_lock = time.perf_counter()
@@ -338,6 +339,7 @@ class StepScheduler(Speculation):
                     "t": round(t0, 6), "forward_ms": round((t1 - t0) * 1e3, 2),
                     "lock_ms": round((t_lock - t0) * 1e3, 2),  # of forward_ms: waiting for the compute lock
                     "guests_ms": round((time.perf_counter() - t1) * 1e3, 2),
+                    "gc_ms": round((paused_seconds() - gc0) * 1e3, 2),  # collections (any thread's) in both
                     "rows": [[r.session.id, len(r.session.history)] for r in rows],
                     "prompts": [[q.session.id, len(c)] for q, c in plan]}) + "\n")
             with self.cv:  # the gather window opens once every row has its logits or its token

@@ -2,7 +2,7 @@
 
 import gc
 
-from kvferry.collector import PauseClock, freeze
+from kvferry.collector import PauseClock, freeze, paused_seconds
 
 
 def test_the_pause_clock_times_each_collection_by_generation_until_removed():
@@ -18,6 +18,25 @@ def test_the_pause_clock_times_each_collection_by_generation_until_removed():
     gc.collect()
     clock.remove()  # twice: no error
     assert len(seen) == n
+
+
+def test_paused_seconds_grows_by_each_collections_wall_time_and_by_nothing_else():
+    import time
+
+    kept = [[i] for i in range(200_000)]  # enough tracked objects for a measurable walk
+    before = paused_seconds()
+    t = time.perf_counter()
+    gc.collect()
+    took = time.perf_counter() - t
+    grew = paused_seconds() - before
+    assert 0 < grew <= took
+    gc.disable()  # time without a collection adds nothing
+    try:
+        time.sleep(0.05)
+        assert paused_seconds() - before == grew
+    finally:
+        gc.enable()
+    assert len(kept) == 200_000
 
 
 def test_freeze_moves_what_lives_now_out_of_later_collections():

@@ -29,22 +29,15 @@ LONG_PAUSE_S = 0.02  # a collection longer than this is logged: it shows in some
 
 
 _thread = threading.local()  # CPU seconds this thread spent collecting garbage
-_paused = [0.0, None]  # wall seconds every collection in this process took; the one running's start
 
 
 def _count_cpu(phase: str, info: dict) -> None:
-    """A collection runs on whichever thread allocates: its CPU is nobody's guest's.
-    Collections run one at a time (under the GIL), so one start time does."""
+    """A collection runs on whichever thread allocates: its CPU is nobody's guest's."""
     if phase == "start":
         _thread.start = time.thread_time()
-        _paused[1] = time.perf_counter()
-        return
-    if (t := getattr(_thread, "start", None)) is not None:
+    elif (t := getattr(_thread, "start", None)) is not None:
         _thread.spent = getattr(_thread, "spent", 0.0) + time.thread_time() - t
         _thread.start = None
-    if _paused[1] is not None:
-        _paused[0] += time.perf_counter() - _paused[1]
-        _paused[1] = None
 
 
 gc.callbacks.append(_count_cpu)
@@ -59,7 +52,7 @@ def gc_cpu_seconds() -> float:
 def paused_seconds() -> float:
     """Wall seconds all of this process's collections have taken so far (every
     thread stops for each): the step trace's ``gc_ms`` is its growth over a step."""
-    return _paused[0]
+    return _paused.seconds
 
 
 def freeze() -> int:
@@ -98,3 +91,14 @@ class PauseClock:
     def remove(self) -> None:
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(self)
+
+
+class _Total:  # every collection's wall time in this process, for paused_seconds
+    seconds = 0.0
+
+    def __call__(self, generation: int, seconds: float) -> None:
+        self.seconds += seconds
+
+
+_paused = _Total()
+PauseClock(_paused).install()

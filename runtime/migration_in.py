@@ -15,7 +15,7 @@ from .migration_wire import FrameView, read_message
 from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
 from .slots import Slot, TurnFeed
-from .transport import abort
+from .transport import MIGRATION_SERVICE, abort
 
 RUNNING_WAIT = 5.0  # s: how long the target waits for a landed turn's first token before it reports
 # the target acks this often (< the source's window): about every pre-copy frame of
@@ -205,5 +205,6 @@ class MigrationTarget(pbg.MigrationServicer):
                 self.Status, request_deserializer=pb.MigrationRef.FromString,
                 response_serializer=pb.MigrationAck.SerializeToString),
         }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvferry.v1.Migration", handlers),))
-        server.add_registered_method_handlers("kvferry.v1.Migration", handlers)
+        service = MIGRATION_SERVICE.strip("/")
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        server.add_registered_method_handlers(service, handlers)

@@ -20,11 +20,11 @@ from .checkpoint.snapshot import Snapshotter
 from .errors import CODES, AuthError, ForbiddenError, HostDownError, KvferryError, MigrationError, RemoteError
 from .linkaware import PROBE_BYTES, SAMPLE_BYTES, choose, codec_costs
 from .migration_in import ACK_EVERY_BYTES, ACK_EVERY_FRAMES
-from .migration_wire import frame_message
+from .migration_wire import frame_message, write_message
 from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
 from .slots import Slot
-from .transport import ERROR_KEY, auth_metadata, channel, translate
+from .transport import ERROR_KEY, MIGRATION_SERVICE, auth_metadata, channel, translate
 
 log = logging.getLogger("kvferry.migration")
 
@@ -35,12 +35,7 @@ RUNNING_WAIT = 5.0  # s: how long a source keeps a moved session's memory for th
 PRECOPY_STEP_BYTES = 3 << 20  # live pre-copy default: ~3 MB of KV per step of the generating session
 PRECOPY_RATE = 40e6  # ... and 40 MB/s while it is not generating
 PRECOPY_MAX = {"cpu": 80e6, "gpu": 1e9}  # pace cap: a CPU's generation shares its memory bandwidth
-TRANSFER = "/kvferry.v1.Migration/Transfer"
 PRECOPY_CHUNK = 3 << 19  # pre-copy frames carry ~1.5 MB of one layer's KV (a token range)
-
-
-def _serialize(m: Any) -> bytes:
-    return m if isinstance(m, bytes) else m.SerializeToString()
 
 
 def precopy_rate(s, device: str = "cpu") -> float:
@@ -296,7 +291,7 @@ class _Link:
             while (m := q.get()) is not None:
                 yield m
         self.ch = channel(self.t.target, self.srv.client_tls)
-        transfer = self.ch.stream_stream(TRANSFER, request_serializer=_serialize,  # frames come encoded
+        transfer = self.ch.stream_stream(MIGRATION_SERVICE + "Transfer", request_serializer=write_message,
                                          response_deserializer=pb.MigrationAck.FromString)
         self.acks = transfer(gen(), metadata=auth_metadata(self.t.token or self.srv.token), timeout=600)
         q.put(pb.MigrationMessage(begin=pb.Begin(migration_id=self.mid, session_id=self.sid,

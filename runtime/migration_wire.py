@@ -37,6 +37,11 @@ def frame_message(seq: int, data: bytes) -> bytes:
     return b"".join((bytes((_FRAME,)), _varint(len(part) + len(data)), part, data))
 
 
+def write_message(m: Any) -> bytes:
+    """Transfer's request serializer: a frame message comes written already."""
+    return m if isinstance(m, bytes) else m.SerializeToString()
+
+
 @dataclass
 class FrameView:
     """A frame message read in place: ``data`` is a view of the received bytes."""

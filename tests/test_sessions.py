@@ -315,5 +315,7 @@ def test_bench_overhead_runs(smollm_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["tokens_equal"] is True
-    for k in ("decode_tps_runtime", "decode_tps_bare", "ratio", "prefill_tps_runtime", "prefill_tps_bare"):
+    for k in ("decode_tps_runtime", "decode_tps_bare", "ratio", "ratio_paired", "prefill_tps_runtime",
+              "prefill_tps_bare"):
         assert out[k] > 0
+    assert len(out["ratio_per_round"]) == 1 and out["ratio_paired"] == out["ratio_per_round"][0]

@@ -34,7 +34,7 @@ def cmd_bench_overhead(a) -> int:
         print_json(r)
     else:
         print(f"decode: runtime {r['decode_tps_runtime']} tok/s, bare mlx-lm {r['decode_tps_bare']} "
-              f"tok/s, ratio {r['ratio']}; prefill ratio {r['prefill_ratio']}; "
+              f"tok/s, ratio {r['ratio']} (paired rounds {r['ratio_paired']}); prefill ratio {r['prefill_ratio']}; "
               f"tokens equal: {r['tokens_equal']}")
     return 0
 

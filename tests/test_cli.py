@@ -107,6 +107,22 @@ def test_bench_migrate_rejects_zero_reps():
     assert r.stderr.strip() == "kvferry: --reps must be at least 1, not 0"
 
 
+def test_bench_migrate_rejects_a_negative_rate():
+    r = kvferry("bench", "migrate", "--rate", "-5", timeout=120)
+    assert r.returncode != 0
+    assert r.stderr.strip() == "kvferry: --rate must be positive, not -5.0"
+
+
+def test_bench_migrate_live_only_at_a_set_pace(smollm_dir):
+    r = kvferry("bench", "migrate", "--json", "--contexts", "64", "--generate", "64", "--reps", "1",
+                "--modes", "live", "--rate", "50", timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert [(row["mode"], row["reps"]) for row in out["rows"]] == [("live", 1)]
+    assert out["rows"][0]["identical"] and out["precopy_rate_mb_s"] == 50.0
+    assert "stop_copy_total_over_reprefill_at_2048" not in out["targets"]
+
+
 def test_bench_migrate_runs(smollm_dir):
     r = kvferry("bench", "migrate", "--json", "--contexts", "64", "--generate", "64", "--reps", "2",
                 timeout=900)
@@ -123,6 +139,7 @@ def test_bench_migrate_runs(smollm_dir):
     assert t["grpc_ceiling_mb_s"] > 0 and len(t["grpc_ceiling_mb_s_reps"]) == 3 and t["transfer_over_ceiling"] > 0
     assert out["targets"]["transfer_mb_s_min"] == t["transfer_mb_s"] and out["device"]["kind"] == "cpu"
     assert out["model"] == "SmolLM2-135M-Instruct"  # which model moved (the plot's title says it too)
+    assert out["precopy_rate_mb_s"] == "host default"
 
 
 def test_bench_serve_runs_and_reports_every_key(smollm_dir):

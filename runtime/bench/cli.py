@@ -74,8 +74,11 @@ def cmd_bench_migrate(a) -> int:
 
     if a.reps < 1:
         raise KvferryError(f"--reps must be at least 1, not {a.reps}")
+    if a.rate < 0:
+        raise KvferryError(f"--rate must be positive, not {a.rate}")
     r = run(tuple(a.contexts), a.generate, threads=a.threads or None, pin=a.pin, reps=a.reps,
-            progress=(lambda m: print(m, file=sys.stderr)), transfer_only=a.transfer_only, model=a.model)
+            progress=(lambda m: print(m, file=sys.stderr)), transfer_only=a.transfer_only, model=a.model,
+            modes=tuple(dict.fromkeys(a.modes)), rate_mb_s=a.rate)
     if a.plot and r["rows"]:
         plot(r, a.plot)
     if a.json:
@@ -253,6 +256,10 @@ def register(sub, add: Callable) -> None:
                     "kvferry bench shape")
     bm.add_argument("--transfer-only", action="store_true",
                     help="only the raw transfer of an idle session (and re-prefill), no generating migrations")
+    bm.add_argument("--modes", nargs="+", choices=("live", "stop-copy"), default=["live", "stop-copy"],
+                    help="which generating migrations to run (default: both)")
+    bm.add_argument("--rate", type=float, default=0.0, metavar="MB/S",
+                    help="live pre-copy pace, as kvferry migrate --rate (default: the host's, ~3 MB a step)")
     bm.add_argument("--plot", help="write a PNG figure (needs matplotlib)")
     bm.add_argument("--json", action="store_true")
     bh = add(b, "shape", cmd_bench_shape, "install a random-weight model of a real model's dimensions (for "

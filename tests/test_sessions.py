@@ -319,3 +319,17 @@ def test_bench_overhead_runs(smollm_dir):
               "prefill_tps_bare"):
         assert out[k] > 0
     assert len(out["ratio_per_round"]) == 1 and out["ratio_paired"] == out["ratio_per_round"][0]
+
+
+def test_decode_split_bench_runs(smollm_dir):
+    """bench/decode_split.py (the build / eval split of a bare decode step): keys only."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "decode_split.py"
+    r = subprocess.run([sys.executable, str(script), "--steps", "3", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = json.loads(r.stdout)["rows"]
+    assert row["model"] == "SmolLM2-135M-Instruct" and row["steps"] == 3
+    assert row["build_ms_p50"] > 0 and row["eval_wait_ms_p50"] > 0
+    assert row["step_ms_p50"] == pytest.approx(row["build_ms_p50"] + row["eval_wait_ms_p50"], abs=0.002)

@@ -131,6 +131,7 @@ class ModelBinding(Protocol):
     def prefill(self, tokens: list[int]) -> None: ...  # serialises its own model work (compute lock)
     def decode(self, token: int) -> None: ...
     def logits(self) -> Any: ...  # mx.array float32 [vocab]
+    def top1(self) -> tuple[int, int] | None: ...  # the logits' argmax and its float32 bits, if known
     def token_text(self, token: int) -> bytes: ...
 
 
@@ -350,13 +351,17 @@ class HostFunctions:
 
         m = self._model("kv_logits_topk")
         logits, k = m.logits(), k & 0xFFFFFFFF
-        if k == 1 and logits.dtype == mx.float32 and logits.ndim == 1:  # greedy: numpy's argmax, the first maximum
-            v = np.array(logits, copy=False)
+        if k == 1 and logits.dtype == mx.float32 and logits.ndim == 1:  # greedy: the first maximum
             ip = self._span("kv_logits_topk", "ids", ids_ptr, 4, 4)
             vp = self._span("kv_logits_topk", "vals", vals_ptr, 4, 4)
-            i = int(np.argmax(v))
+            known = m.top1()  # computed with the step (kvferry.top1): the logits stay on the device
+            if known is None:
+                v = np.array(logits, copy=False)
+                i = int(np.argmax(v))
+                known = (i, int(v[i:i + 1].view(np.int32)[0]))
+            i, bits = known
             self.g.arena.np[ip:ip + 4] = np.array([i], np.int32).view(np.uint8)
-            self.g.arena.np[vp:vp + 4] = v[i:i + 1].view(np.uint8)
+            self.g.arena.np[vp:vp + 4] = np.array([bits], np.int32).view(np.uint8)
             return 0
         return self._serialised(self._write_topk)("kv_logits_topk", logits, k, ids_ptr, vals_ptr)
 

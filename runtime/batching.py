@@ -38,6 +38,7 @@ from .batch_attention import PackedCaches, RowCaches, install, install_packed
 from .collector import paused_seconds
 from .errors import ConfigError, SessionError
 from .prefill_thread import PrefillThread, eligible, private_copy
+from .top1 import StepTop1
 from .prompt_budget import PromptBudget
 from .speculation import Speculation
 
@@ -72,12 +73,13 @@ class _Request:
     """Tokens a session needs run: a prompt (prefilled in chunks, its last token
     decoded in a batch) or one token to decode. Done when its logits are known, or
     for a driven decode when its guest has chosen the next token from them."""
-    __slots__ = ("session", "tokens", "n0", "done", "logits", "error", "driven", "token", "fresh", "looked")
+    __slots__ = ("session", "tokens", "n0", "done", "logits", "top1", "error", "driven", "token", "fresh",
+                 "looked")
 
     def __init__(self, session: Any, tokens: list[int], driven: bool = False) -> None:
         self.session, self.tokens, self.n0 = session, tokens, len(tokens)
         self.done = threading.Event()
-        self.logits = self.error = self.token = None
+        self.logits = self.top1 = self.error = self.token = None  # top1: (StepTop1, row)
         self.driven = driven
         # a new session's first prompt: it may start from a cached prefix, and is kept for others
         self.fresh = (len(tokens) > 1 and not session.history and session.plain_kv()
@@ -135,7 +137,8 @@ class StepScheduler(Speculation):
     def run(self, session: Any, tokens: list[int]):
         """Run ``tokens`` through ``session``'s model state in the next steps (called
         from the session's own thread, inside its guest's kv_prefill/kv_decode);
-        return the logits after the last one."""
+        return the logits after the last one, and their greedy token's source
+        ((StepTop1, row), or None)."""
         req = _Request(session, list(tokens))
         if threading.current_thread() is self.thread:  # a driven guest decoding another token
             if len(tokens) != 1:
@@ -143,12 +146,12 @@ class StepScheduler(Speculation):
             with self.host.compute:
                 logits = self._forward([req], [])
                 session.history.append(tokens[0])
-            return logits[0]
+            return logits[0], None
         self._enqueue(req)
         req.done.wait()
         if req.error is not None:
             raise req.error
-        return req.logits
+        return req.logits, req.top1
 
     def _enqueue(self, req: _Request) -> None:
         with self.cv:
@@ -185,7 +188,7 @@ class StepScheduler(Speculation):
         deadline = max(5 * self.gather_s, 0.1) * 1000
         for r in reqs:
             try:
-                r.token = r.session.guest_step((r.tokens[-1], r.logits), deadline_ms=deadline)
+                r.token = r.session.guest_step((r.tokens[-1], r.logits, r.top1), deadline_ms=deadline)
             except BaseException as e:  # noqa: BLE001 - it is that session's error, told on its thread
                 r.error = e
         # woken only now: a session thread woken earlier takes the GIL from this loop at
@@ -312,6 +315,7 @@ class StepScheduler(Speculation):
                     rows, plan = self._open_only(rows, plan)
                     guessing = self.guessing(rows, plan)  # the next step is queued before this one is waited for
                     logits = self._step(rows, plan, wait=not guessing)
+                    top = StepTop1(logits) if logits else None  # greedy guests read this, not the logits
                     for r in rows:  # the history moves with the cache, under the compute lock
                         r.session.history.append(r.tokens[-1])  # (pre-copy reads both)
                     for req, chunk in plan:
@@ -319,8 +323,10 @@ class StepScheduler(Speculation):
                         if req.fresh and len(req.tokens) == 1:  # its prompt is in: others may start from it
                             self.host.prefix.keep(req.session)
                     if guessing:
-                        self._guess(rows, logits)
-                        mx.eval(logits)
+                        self._guess(rows, logits, top)
+                        mx.eval(logits, top.pairs)
+                    elif top is not None:
+                        mx.eval(top.pairs)  # (the logits are evaluated by now)
             except Exception as e:  # noqa: BLE001 - the sessions of this step hear it, the loop goes on
                 err = e if isinstance(e, SessionError) else SessionError(f"model step failed: {e}")
                 self._fail(rows + [req for req, _ in plan], err)
@@ -329,8 +335,8 @@ class StepScheduler(Speculation):
             self._account(rows, sum(len(c) for _, c in plan), t1 - t0)
             with self.cv:
                 self.expect = {r.session for r in rows}
-            for r, lo in zip(rows, logits):
-                r.logits = lo
+            for i, (r, lo) in enumerate(zip(rows, logits)):
+                r.logits, r.top1 = lo, (top, i)
                 if not r.driven:
                     r.done.set()
             self._drive([r for r in rows if r.driven])

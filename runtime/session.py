@@ -126,6 +126,7 @@ class Session:
         self.history: list[int] = []  # tokens in the KV cache, in order
         self.messages: list[dict] = []
         self._logits = None
+        self._top1: tuple[Any, int] | None = None  # the logits' greedy token, from the step (kvferry.top1)
         self.last = TurnStats()
         self.turn: TurnState | None = None
         self.kv_epoch = 0  # bumped whenever cached KV is rewritten (trim/reset), not just appended
@@ -135,7 +136,7 @@ class Session:
         # in any other export. Model time is the host's, so it is rationed here.
         self._prefill_budget = self._decode_budget = 0
         self._prompt_left = 0
-        self._ahead: tuple[int, Any] | None = None  # a decode the host ran ahead (guest_step)
+        self._ahead: tuple[int, Any, Any] | None = None  # a decode the host ran ahead (guest_step)
         self.last_used = time.monotonic()  # idle expiry (serve --session-ttl)
         self.owner = ""  # the name of the key that created it (kvferry.keys)
         self.closed = False
@@ -206,24 +207,32 @@ class Session:
             raise PromptTooLongError(f"context full: {len(self.history)} + {len(tokens)} tokens "
                                      f"exceed the context of {self.context}")
         if tokens:  # the host's step scheduler prefills them in chunks beside the running decode batch
-            self._logits = self.host.steps.run(self, tokens)
+            self._logits, self._top1 = self.host.steps.run(self, tokens)
 
     def decode(self, token: int) -> None:
         self._spend_decode()
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             if ahead[0] == token:  # the host ran this step already (guest_step)
-                self._logits = ahead[1]
+                self._logits, self._top1 = ahead[1], ahead[2]
                 return
             self._take_back()
         if self.options.ctx is None and len(self.history) + 1 > self.context:
             raise SessionError(f"context full ({self.context} tokens)")
-        self._logits = self.host.steps.run(self, [token])  # one row of the host's next decode batch
+        self._logits, self._top1 = self.host.steps.run(self, [token])  # one row of the host's next decode batch
 
     def logits(self):
         if self._logits is None:
             raise SessionError("no logits yet: the guest read logits before any prefill/decode")
         return self._logits
+
+    def top1(self) -> tuple[int, int] | None:
+        """The logits' greedy token and the float32 bits of its logit, as the step
+        computed them on the device; None where the step did not."""
+        if self._top1 is None:
+            return None
+        top, row = self._top1
+        return top.row(row)
 
     def token_text(self, token: int) -> bytes:
         return self.host.token_bytes(token)
@@ -335,9 +344,9 @@ class Session:
             self.host.steps.leave(self)
             admission.leave(self)
 
-    def guest_step(self, ahead: tuple[int, Any] | None = None, deadline_ms: float | None = None) -> int:
+    def guest_step(self, ahead: tuple[int, Any, Any] | None = None, deadline_ms: float | None = None) -> int:
         """One call of the guest's step export: its next token, or a stop code. With
-        ``ahead`` (token, logits) the host already ran the decode the guest is expected
+        ``ahead`` (token, logits, top1) the host already ran the decode the guest is expected
         to ask for (the token it returned last): its ``kv_decode`` of that token takes
         those logits; another token, or none, and that step is taken back."""
         budget = self.host.policy.guest_step_ms / 1000

@@ -84,10 +84,11 @@ class Speculation:
         logits are waited for)."""
         return bool(self.speculate and rows and not plan)
 
-    def _guess(self, rows: list, logits: list) -> None:
+    def _guess(self, rows: list, logits: list, top: Any) -> None:
         """Start the next step on each decode row's greedy token, not waited for: it
         runs on the accelerator while the guests sample (see the module docstring).
-        ``logits`` may still be computing: the guess is the device's argmax of them."""
+        ``logits`` may still be computing: the guess is the device's argmax of them
+        (``top``, their :class:`kvferry.top1.StepTop1`)."""
         import mlx.core as mx
 
         # greedy sessions on plain caches, unless their guest keeps choosing otherwise
@@ -96,10 +97,10 @@ class Speculation:
                 and self.missed.get(r.session, 0) < MISSES]
         if not pick:
             return
-        rows, logits = [rows[i] for i in pick], [logits[i] for i in pick]
+        guess = self._greedy(logits, top, pick).astype(mx.int32)  # lazy: nothing waits for it here
+        rows = [rows[i] for i in pick]
         offsets = [[c.offset for c in r.session.cache] for r in rows]
         try:
-            guess = self._greedy(logits).astype(mx.int32)  # lazy: nothing waits for it here
             nxt = self._forward([self.request(r.session, [-1]) for r in rows], [], wait=False, tokens=guess[:, None])
         except Exception:  # noqa: BLE001 - only a head start: the step itself goes on
             nxt = None
@@ -114,8 +115,8 @@ class Speculation:
         self.stats["speculated"] += len(rows)
 
     @staticmethod
-    def _greedy(logits: list) -> Any:
-        """Each row's greedy token, as a device array (not evaluated)."""
+    def _greedy(logits: list, top: Any, pick: list[int]) -> Any:
+        """Rows ``pick``'s greedy tokens, as a device array (not evaluated)."""
         import mlx.core as mx
 
-        return mx.argmax(mx.stack(logits), axis=-1)
+        return top.ids if len(pick) == len(logits) else top.ids[mx.array(pick)]

@@ -300,6 +300,45 @@ def host_default_speculates(smollm) -> bool:
         h.close()
 
 
+def test_step_top1_is_numpys_first_maximum():
+    """The (argmax, max) a step computes on the device for greedy guests is what
+    numpy's argmax of the logits gives, the first of equal maxima included."""
+    import mlx.core as mx
+    import numpy as np
+
+    from kvferry.top1 import StepTop1
+
+    x = np.random.default_rng(0).normal(size=(5, 1000)).astype(np.float32)
+    x[1, 7] = x[1, 400] = x[1].max() + 1  # a tie
+    for rows in ([x[0]], list(x)):
+        top = StepTop1([mx.array(r) for r in rows])
+        mx.eval(top.pairs)
+        for i, r in enumerate(rows):
+            token, bits = top.row(i)
+            assert token == int(np.argmax(r)) and np.array([bits], np.int32).view(np.float32)[0] == r.max()
+    assert StepTop1([mx.array(r) for r in x]).row(1)[0] == 7
+
+
+def test_greedy_guests_read_the_steps_top1_not_the_logits(host, solo, monkeypatch):
+    """A greedy guest's kv_logits_topk(1) is answered from the step's device top-1
+    (kvferry.top1), never from its logits read on the host; the reply is the same."""
+    import mlx.core as mx
+    import numpy as np
+
+    from kvferry import abi
+    from kvferry.top1 import StepTop1
+
+    rows, reads = [], []
+    real_row, real_array = StepTop1.row, np.array
+    monkeypatch.setattr(StepTop1, "row", lambda self, i: rows.append(i) or real_row(self, i))
+    monkeypatch.setattr(abi.np, "array", lambda a, *k, **kw: reads.append(a) or real_array(a, *k, **kw))
+    s = host.create_session(sampling=greedy(16))
+    assert [e.token for e in s.send(PROMPTS[0]) if e.token >= 0] == solo[PROMPTS[0]]
+    host.close_session(s.id)
+    assert len(rows) >= 15  # every token after the prompt's first
+    assert not [a for a in reads if isinstance(a, mx.array) and a.dtype == mx.float32]  # (the logits)
+
+
 def test_speculation_gives_the_same_tokens_alone_and_batched(speculating, solo):
     for p in PROMPTS[:2]:
         s = speculating.create_session(sampling=greedy(16))
@@ -319,7 +358,8 @@ def test_a_wrong_guess_is_computed_again(speculating, solo, monkeypatch):
     token, so the reply is still the solo one."""
     import mlx.core as mx
 
-    monkeypatch.setattr(speculating.steps, "_greedy", lambda logits: mx.argmin(mx.stack(logits), axis=-1))
+    monkeypatch.setattr(speculating.steps, "_greedy",
+                        lambda logits, top, pick: mx.argmin(mx.stack([logits[i] for i in pick]), axis=-1))
     before = speculating.steps.stats["speculation_hits"]
     s = speculating.create_session(sampling=greedy(16))
     assert [e.token for e in s.send(PROMPTS[0]) if e.token >= 0] == solo[PROMPTS[0]]

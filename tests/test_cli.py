@@ -169,6 +169,9 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
                 "tps_http_over_grpc"):
         assert hv[key] is not None
     assert hv["streams"] == 2 and hv["ttft_samples"] == 2
+    bad = kvferry("bench", "serve", "--long-prompt", "-5", timeout=120)
+    assert bad.returncode != 0 and bad.stderr.strip() == ("kvferry: --long-prompt takes a token count "
+                                                          "(0: no long-prompt point), not -5")
 
 
 def test_bench_step_runs_and_reports_every_key(smollm_dir):

@@ -171,6 +171,8 @@ def cmd_bench_serve(a) -> int:
             raise KvferryError("--plot needs matplotlib: pip install 'kvferry[bench]'") from None
     if a.ttft_samples < 1:
         raise KvferryError("--ttft-samples must be at least 1")
+    if a.long_prompt < 0:
+        raise KvferryError(f"--long-prompt takes a token count (0: no long-prompt point), not {a.long_prompt}")
     if a.prefix_cache_mb is not None and a.prefix_cache_mb < 0:
         raise KvferryError(f"--prefix-cache-mb must be >= 0, not {a.prefix_cache_mb:g}")
     r = run(a.model, tuple(a.sessions), a.tokens, a.long_prompt, progress=(lambda m: print(m, file=sys.stderr)),
@@ -186,9 +188,9 @@ def cmd_bench_serve(a) -> int:
         for p in r["points"]:
             print(f"{p['sessions']:>8} {p['aggregate_tps']:>10} {p['mlx_lm_tps']:>8} {p['ttft_ms_p50']:>9} "
                   f"{p['ttft_ms_p99']:>9} {p['tpot_ms_p50']:>9} {p['tpot_ms_p99']:>9}")
-        lp = r["long_prompt"]
-        print(f"TPOT p99 while a {lp['prompt_tokens']}-token prompt is prefilled: {lp['tpot_ms_p99_during']} ms "
-              f"({lp['ratio_p99_during_over_p50_without']}x the p50 without it)")
+        if (lp := r["long_prompt"]) is not None:
+            print(f"TPOT p99 while a {lp['prompt_tokens']}-token prompt is prefilled: {lp['tpot_ms_p99_during']} ms "
+                  f"({lp['ratio_p99_during_over_p50_without']}x the p50 without it)")
         if (hv := r.get("http_vs_grpc")) is not None:
             print(f"HTTP vs gRPC: TTFT p50 {hv['ttft_ms_http_p50']} vs {hv['ttft_ms_grpc_p50']} ms "
                   f"({hv['ttft_http_minus_grpc_ms']:+} ms); {hv['streams']} streams {hv['tps_http']} vs "
@@ -309,7 +311,7 @@ def register(sub, add: Callable) -> None:
     bs.add_argument("--prefix-cache-mb", type=float, metavar="MB", help="the served host's serve "
                     "--prefix-cache-mb (default: serve's; 0: every prompt prefilled whole, as mlx-lm's column)")
     bs.add_argument("--tokens", type=int, default=64, help="tokens per turn (default 64)")
-    bs.add_argument("--long-prompt", type=int, default=2000, help="the long prompt's tokens (default 2000)")
+    bs.add_argument("--long-prompt", type=int, default=2000, help="the long prompt's tokens (default 2000; 0: no long-prompt point)")
     bs.add_argument("--plot", metavar="PNG", help="draw throughput and TPOT against sessions")
     bs.add_argument("--http", action="store_true", help="also compare the OpenAI HTTP front with gRPC: TTFT "
                     "(median of --ttft-samples) and tokens/s at the largest --sessions")

@@ -103,13 +103,44 @@ def mlx_lm_tps(lm, prompts: list[str], tokens: int) -> float:
     return round(once(tokens), 2)
 
 
+def _long_prompt(srv: LoopbackHost, token: str, tokens: int, long_prompt: int, long_with: int, progress) -> dict:
+    """TPOT of ``long_with`` decoders while one more client sends a ``long_prompt``-token
+    prompt, against their p50 without it."""
+    from ..sdk import Client
+
+    progress(f"kvferry serve: {long_with} decoding while one client sends a {long_prompt}-token prompt")
+    base = _point(_turns(srv.address, token, [_prompt(i) for i in range(long_with)], tokens))
+    filler = " ".join(["The ferry crossed the strait at dawn."] * (long_prompt // 8))
+    long_done: dict = {}
+
+    def long_turn() -> None:
+        time.sleep(0.5)  # the decoders are running by then
+        s = Client(srv.address, token, timeout=600).create_session(max_tokens=1, ignore_eos=True)
+        t0 = time.perf_counter()
+        "".join(s.send(filler))
+        long_done.update(start=t0, end=time.perf_counter(), tokens=s.info()["tokens"])
+        s.close()
+    th = threading.Thread(target=long_turn)
+    th.start()
+    during = _turns(srv.address, token, [_prompt(i) for i in range(long_with)], tokens)
+    th.join()
+    w0, w1 = long_done.get("start", 0.0), long_done.get("end", 0.0)
+    gaps = [(b - a) * 1000 for t in during for a, b in zip(t["times"], t["times"][1:])
+            if b >= w0 and a <= w1]  # the decoders' steps that overlapped the long prefill
+    long = {"decoders": long_with, "prompt_tokens": long_done.get("tokens"),
+            "tpot_ms_p50_without": base["tpot_ms_p50"], "tpot_ms_p99_during": round(_pct(gaps, 99) or 0, 2),
+            "prefill_s": round(long_done.get("end", 0) - long_done.get("start", 0), 2)}
+    long["ratio_p99_during_over_p50_without"] = round(long["tpot_ms_p99_during"] / base["tpot_ms_p50"], 2)
+    progress(f"  {long}")
+    return long
+
+
 def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens: int = 64,
         long_prompt: int = 2000, long_with: int = 4, progress=print, http: bool = False,
         ttft_samples: int = 20, batch_kv: str = "auto", guest_thread: str = "auto",
         prefix_cache_mb: float | None = None, prefill_thread: str = "auto", speculate: str = "auto") -> dict:
     from ..collector import freeze
     from ..models import load
-    from ..sdk import Client
 
     token = secrets.token_urlsafe(16)
     srv = LoopbackHost(token, *(["--model", model] if model else []), *(["--http-port", "0"] if http else []),
@@ -130,30 +161,7 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
             progress(f"kvferry serve: {n} concurrent sessions x {tokens} tokens")
             points.append(_point(_turns(srv.address, token, [_prompt(i) for i in range(n)], tokens)))
             progress(f"  {points[-1]}")  # as it goes: a run cut short still reports what it measured
-        progress(f"kvferry serve: {long_with} decoding while one client sends a {long_prompt}-token prompt")
-        base = _point(_turns(srv.address, token, [_prompt(i) for i in range(long_with)], tokens))
-        filler = " ".join(["The ferry crossed the strait at dawn."] * (long_prompt // 8))
-        long_done: dict = {}
-
-        def long_turn() -> None:
-            time.sleep(0.5)  # the decoders are running by then
-            s = Client(srv.address, token, timeout=600).create_session(max_tokens=1, ignore_eos=True)
-            t0 = time.perf_counter()
-            "".join(s.send(filler))
-            long_done.update(start=t0, end=time.perf_counter(), tokens=s.info()["tokens"])
-            s.close()
-        th = threading.Thread(target=long_turn)
-        th.start()
-        during = _turns(srv.address, token, [_prompt(i) for i in range(long_with)], tokens)
-        th.join()
-        w0, w1 = long_done.get("start", 0.0), long_done.get("end", 0.0)
-        gaps = [(b - a) * 1000 for t in during for a, b in zip(t["times"], t["times"][1:])
-                if b >= w0 and a <= w1]  # the decoders' steps that overlapped the long prefill
-        long = {"decoders": long_with, "prompt_tokens": long_done.get("tokens"),
-                "tpot_ms_p50_without": base["tpot_ms_p50"], "tpot_ms_p99_during": round(_pct(gaps, 99) or 0, 2),
-                "prefill_s": round(long_done.get("end", 0) - long_done.get("start", 0), 2)}
-        long["ratio_p99_during_over_p50_without"] = round(long["tpot_ms_p99_during"] / base["tpot_ms_p50"], 2)
-        progress(f"  {long}")
+        long = _long_prompt(srv, token, tokens, long_prompt, long_with, progress) if long_prompt else None
     finally:
         srv.stop()
     progress("mlx-lm BatchGenerator, same prompts and lengths")

@@ -333,3 +333,17 @@ def test_decode_split_bench_runs(smollm_dir):
     assert row["model"] == "SmolLM2-135M-Instruct" and row["steps"] == 3
     assert row["build_ms_p50"] > 0 and row["eval_wait_ms_p50"] > 0
     assert row["step_ms_p50"] == pytest.approx(row["build_ms_p50"] + row["eval_wait_ms_p50"], abs=0.002)
+
+
+def test_host_read_bench_runs(smollm_dir):
+    """bench/host_read.py (a pipelined decode reading its logits, or the step's top-1,
+    on the host): every variant runs, and its asserts hold the three reads equal."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "host_read.py"
+    r = subprocess.run([sys.executable, str(script), "--steps", "3", "--reps", "1", "--json"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)["rows"]
+    assert [x["variant"] for x in rows] == ["bare", "read", "top1"]
+    assert all(x["model"] == "SmolLM2-135M-Instruct" and x["ms_per_token_p50"] > 0 for x in rows)

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -155,6 +156,23 @@ def test_extract_on_an_accelerator_reads_its_copies_after_the_hold(host, monkeyp
     whole = [(i, a, b, k[0].copy(), v[0].copy()) for i, a, b, k, v, _ in snapshot.Snapshotter(s, "raw").extract(chunk=5)]
     assert all(x[:3] == y[:3] and np.array_equal(x[3], y[3]) and np.array_equal(x[4], y[4]) for x, y in zip(whole, want))
     assert chat_turns(s, ["four"]) == chat_turns(twin, ["four"])
+
+
+def test_extract_on_an_accelerator_batches_quantized_parts_exactly(smollm, monkeypatch):
+    """A GPU's pre-copy reads each batch of device copies as one buffer: a quantized
+    cache's three parts a side come out of it as the host's path gives them."""
+    h = ModelHost(lm=smollm, progress=False)
+    q = h.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True), options=SessionOptions(kv_bits=8))
+    chat_turns(q, ["one two three"])
+    on_host = [(x[:3], [[(u.copy(), n) for u, n in side] for side in x[3:5]])
+               for x in snapshot.Snapshotter(q, "raw").extract(chunk=5)]
+    monkeypatch.setattr(snapshot, "host_memory", lambda: False)
+    on_device = [(x[:3], x[3:5]) for x in snapshot.Snapshotter(q, "raw").extract(chunk=5, lock=threading.Lock())]
+    assert len(on_device) == len(on_host) == len(q.cache) * -(-len(q.history) // 5)
+    for (where, sides), (where2, sides2) in zip(on_host, on_device):
+        assert where == where2 and all(n == n2 and u.dtype == u2.dtype and np.array_equal(u, u2)
+                                       for side, side2 in zip(sides, sides2) for (u, n), (u2, n2) in zip(side, side2))
+    h.close()
 
 
 def test_codecs_roundtrip_and_ratios():

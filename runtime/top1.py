@@ -3,11 +3,15 @@
 A greedy guest asks for one thing a token: ``kv_logits_topk(1)``. Answered from the
 row's logits on the host, it made MLX CUDA copy the step's whole float32 logits out
 of device memory at the first read (196 KB a row of SmolLM2's vocabulary, 12.6 MB a
-step at 64 rows), and a pipelined H200 decode of the 1B shape lost ~0.25 ms a token
-to it (docs/performance.md, "Host reads of the logits"). So the scheduler computes
-each row's (argmax, max) beside the logits, in the step's own graph, and the host
-reads 8 bytes a row, once a step. A guest that reads the logits themselves
-(``kv_logits``, or top-k for k > 1) still gets them, evaluated as before.
+step at 64 rows): 0.11-0.15 ms of host time a read on an H200, and a bare pipelined
+decode of the 1B shape lost 0.25 ms a token to it on one machine, nothing measurable
+on another (docs/performance.md, "Host reads of the logits"). So on an
+accelerator the scheduler computes each row's (argmax, max) beside the logits, in
+the step's own graph, and the host reads 8 bytes a row, once a step; a speculated
+step is built on the same argmax. On a CPU numpy reads the logits in place, faster
+than MLX's argmax over the batch, so there only a speculating step makes one. A
+guest that reads the logits themselves (``kv_logits``, or top-k for k > 1) still
+gets them, evaluated as before.
 """
 
 from __future__ import annotations

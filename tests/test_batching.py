@@ -328,6 +328,7 @@ def test_greedy_guests_read_the_steps_top1_not_the_logits(host, solo, monkeypatc
     from kvferry import abi
     from kvferry.top1 import StepTop1
 
+    monkeypatch.setattr(host.steps, "device_top1", True)  # a GPU's way (a CPU reads the logits in place)
     rows, reads = [], []
     real_row, real_array = StepTop1.row, np.array
     monkeypatch.setattr(StepTop1, "row", lambda self, i: rows.append(i) or real_row(self, i))

@@ -101,7 +101,7 @@ class StepScheduler(Speculation):
         self.speculate = speculate
         # greedy guests answered from the step's device top-1 (kvferry.top1) where reading
         # the logits on the host costs a move out of device memory; on a CPU numpy reads
-        # them in place, faster than MLX's argmax over a batch (9 against ~2 ms at 64 rows)
+        # them in place, faster than MLX's argmax over a batch (9 against 0.5 ms at 64 rows here)
         import mlx.core as mx
 
         self.device_top1 = mx.default_device() != mx.cpu

@@ -29,6 +29,13 @@ def mx_bits_lazy(a) -> tuple:
     return (a.view(view) if view is not None else a), name
 
 
+def np_bits_type(dtype) -> type:
+    """The numpy type of an MLX bits array (as :func:`mx_bits_lazy` gives them)."""
+    import mlx.core as mx
+
+    return {mx.uint32: np.uint32, mx.uint16: np.uint16, mx.int32: np.int32, mx.uint8: np.uint8}[dtype]
+
+
 def np_kind(dtype) -> tuple[type, str] | None:
     """(unsigned numpy type, name) to read an MLX dtype's bits through the buffer
     protocol without an MLX op; None where numpy has no such dtype (bfloat16)."""

@@ -22,7 +22,7 @@ import numpy as np
 from . import codecs
 from .errors import CheckpointError
 from .frames import GUEST, HEADER, KV, STATE, FrameWriter
-from .mlxbits import host_memory, mx_bits, mx_bits_lazy, np_kind
+from .mlxbits import host_memory, mx_bits, mx_bits_lazy, np_bits_type, np_kind
 
 
 def cache_kind(c) -> str:
@@ -173,7 +173,7 @@ class Snapshotter:
                     size += sum(u.nbytes for side in sides for u, _ in side)
                     queued.append((i, a, b, sides, None if self.kind == "KVCache"
                                    else {"group_size": meta[0], "bits": meta[1]}))
-                    del keys, values
+                    del keys, values, sides
                 parts = [u for q in queued for side in q[3] for u, _ in side]
                 # one buffer for the batch, read on the host once: MLX CUDA moves each array
                 # it reads to unified memory (an allocation, a copy and a free that waits for
@@ -186,17 +186,15 @@ class Snapshotter:
             data = np.array(flat)  # the copy is this thread's: waited for without the lock
             del flat
             self.busy["extract"] += time.perf_counter() - began
-            at = 0
-            for i, a, b, (k, v), meta in queued:
-                read = []
-                for side in (k, v):
-                    out = []
-                    for u, name in side:
-                        kind = np.dtype(str(u.dtype).rsplit(".", 1)[-1])
-                        out.append((data[at:at + u.nbytes].view(kind).reshape(u.shape), name))
-                        at += u.nbytes
-                    read.append(out)
-                k, v = read
+            edges = np.cumsum([0] + [u.nbytes for u in parts]).tolist()
+            views = iter([data[lo:hi].view(np_bits_type(u.dtype)).reshape(u.shape)
+                          for u, lo, hi in zip(parts, edges, edges[1:])])  # in the order of parts
+            # the host's pieces, and no MLX array left: a lazy slice kept while the consumer
+            # sends would pin the cache's buffer, and the session's steps would copy it whole
+            read = [(i, a, b, [[(next(views), name) for _, name in side] for side in sides], meta)
+                    for i, a, b, sides, meta in queued]
+            del parts, queued
+            for i, a, b, (k, v), meta in read:
                 yield (i, a, b, k[0], v[0], None) if meta is None else (i, a, b, k, v, meta)
 
     def _extract_np(self, pieces: list[tuple[int, int, int]], n: int, lock, budget: float) -> Iterator[tuple]:

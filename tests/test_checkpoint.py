@@ -158,6 +158,23 @@ def test_extract_on_an_accelerator_reads_its_copies_after_the_hold(host, monkeyp
     assert chat_turns(s, ["four"]) == chat_turns(twin, ["four"])
 
 
+def test_extract_on_an_accelerator_leaves_the_cache_updated_in_place(host, monkeypatch):
+    """A pre-copy paused between its pieces holds no MLX array of the cache: the
+    session's steps meanwhile still write its KV buffer in place, not a copy of it."""
+    s = host.create_session(sampling=SamplingParams(max_tokens=3, ignore_eos=True))
+    chat_turns(s, ["one two three four five"])
+    monkeypatch.setattr(snapshot, "host_memory", lambda: False)
+    pieces = snapshot.Snapshotter(s, "raw").extract(chunk=4, lock=threading.Lock())
+    next(pieces)
+
+    def buffer():
+        return np.array(s.cache[0].keys, copy=False).ctypes.data
+    before = buffer()
+    chat_turns(s, ["six"])
+    assert buffer() == before
+    pieces.close()
+
+
 def test_extract_on_an_accelerator_batches_quantized_parts_exactly(smollm, monkeypatch):
     """A GPU's pre-copy reads each batch of device copies as one buffer: a quantized
     cache's three parts a side come out of it as the host's path gives them."""

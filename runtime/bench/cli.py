@@ -311,7 +311,8 @@ def register(sub, add: Callable) -> None:
     bs.add_argument("--prefix-cache-mb", type=float, metavar="MB", help="the served host's serve "
                     "--prefix-cache-mb (default: serve's; 0: every prompt prefilled whole, as mlx-lm's column)")
     bs.add_argument("--tokens", type=int, default=64, help="tokens per turn (default 64)")
-    bs.add_argument("--long-prompt", type=int, default=2000, help="the long prompt's tokens (default 2000; 0: no long-prompt point)")
+    bs.add_argument("--long-prompt", type=int, default=2000,
+                    help="the long prompt's tokens (default 2000; 0: no long-prompt point)")
     bs.add_argument("--plot", metavar="PNG", help="draw throughput and TPOT against sessions")
     bs.add_argument("--http", action="store_true", help="also compare the OpenAI HTTP front with gRPC: TTFT "
                     "(median of --ttft-samples) and tokens/s at the largest --sessions")

@@ -70,6 +70,7 @@ def cmd_serve(a) -> int:
                                 "speculate": SPECULATE[a.speculate], "shared_kv": BATCH_KV[a.batch_kv],
                                 "drive_guests": GUEST_THREAD[a.guest_thread],
                                 "prefill_thread": PREFILL_THREAD[a.prefill_thread],
+                                "stream_interval": a.stream_interval,
                                 "prefix_cache_bytes": None if a.prefix_cache_mb is None
                                 else int(a.prefix_cache_mb * 1e6)}.items()
               if v is not None}
@@ -275,6 +276,10 @@ def register(sub, add: Callable) -> None:
     sv.add_argument("--prefill-thread", choices=tuple(PREFILL_THREAD), default="auto",
                     help="prefill a long prompt that arrives while others decode on a thread of its own, beside "
                          "the decode steps, instead of in chunks inside them; auto: on a GPU")
+    sv.add_argument("--stream-interval", type=int, metavar="N", help="tokens a streamed reply sends in one "
+                    f"message, at most (default {HostPolicy.stream_interval}: each token at once; the first "
+                    "always alone). More cost the host less per token under load, at a coarser stream; "
+                    "like vLLM's --stream-interval")
     sv.add_argument("--no-auth", action="store_true", help="no token (loopback addresses only)")
     sv.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or an embedded Ray)")
     sv.add_argument("--threads", type=int, help="CPU threads for the model's matrix products (like llama.cpp "

@@ -58,10 +58,11 @@ class HostPolicy:
     drive_guests: bool | None = None  # decode steps call the guests on the step thread (None: on a GPU)
     prefill_thread: bool | None = None  # long prompts beside decodes prefilled on their own thread (None: on a GPU)
     prefix_cache_bytes: int = 64_000_000  # recent prompts' KV that new sessions start from (0: off)
+    stream_interval: int = 1  # tokens a streamed chunk carries at most (the first always alone; vLLM's)
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_guest_bytes", "max_tokens", "max_message_bytes", "max_modules",
-                     "max_concurrent_rpcs", "calls_per_key", "max_batch", "max_queue"):
+                     "max_concurrent_rpcs", "calls_per_key", "max_batch", "max_queue", "stream_interval"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
         for name in ("session_ttl_s", "unread_grace_s", "stream_idle_s", "kv_budget_bytes", "step_tokens",

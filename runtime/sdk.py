@@ -29,6 +29,7 @@ from .params import MIGRATE_DEFAULTS
 from .paths import default_token
 from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
+from .stream_chunks import expand
 from .transport import TLSConfig, auth_metadata, channel, translate
 from .wire import (Migration, TurnFollower, afollow_moves, create_request, file_chunks, follow_moves, migrate_request,
                    read_drain, read_health, read_hosts, read_info)
@@ -139,11 +140,12 @@ class RemoteSession:
         c = self.client
         for _ in range(f.HOPS):
             try:
-                for chunk in c._stub(self.host).Send(f.request, metadata=c._meta(), timeout=c.timeout):
-                    if f.accept(chunk):
-                        self.last = f.last
-                        yield chunk
-                    elif f.moved:
+                for message in c._stub(self.host).Send(f.request, metadata=c._meta(), timeout=c.timeout):
+                    for chunk in expand(message):  # one a token, however many a message carries
+                        if f.accept(chunk):
+                            self.last = f.last
+                            yield chunk
+                    if f.moved:
                         break
             except grpc.RpcError as e:
                 raise translate(e, self.host) from None
@@ -292,11 +294,12 @@ class AsyncRemoteSession:
         c = self.client
         for _ in range(f.HOPS):
             try:
-                async for chunk in c._stub(self.host).Send(f.request, metadata=c._meta(), timeout=c.timeout):
-                    if f.accept(chunk):
-                        self.last = f.last
-                        yield chunk
-                    elif f.moved:
+                async for message in c._stub(self.host).Send(f.request, metadata=c._meta(), timeout=c.timeout):
+                    for chunk in expand(message):  # one a token, however many a message carries
+                        if f.accept(chunk):
+                            self.last = f.last
+                            yield chunk
+                    if f.moved:
                         break
             except grpc.RpcError as e:
                 raise translate(e, self.host) from None

@@ -39,6 +39,7 @@ from .policy import HostPolicy
 from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
 from .slots import Slot, TurnDriver, TurnFeed
+from .stream_chunks import coalesce
 from .transport import AuthInterceptor, TLSConfig, abort, grpc_options, is_loopback
 
 JANITOR_S = 5.0  # s between sweeps of idle sessions, idle incoming migrations and old redirects
@@ -240,9 +241,10 @@ class _Sessions(pbg.SessionsServicer):
         if (to := srv.where(r.session_id)) is not None and r.session_id not in srv.host.sessions:
             yield pb.TokenChunk(index=-1, token=-1, moved_to=to)  # index -1: nothing ran here, resend there
             return
+        per_message = min(srv.host.policy.stream_interval, max(1, r.chunk_tokens))  # kvferry.stream_chunks
         feed = srv.feeds.get(r.session_id)
         if r.continue_turn and feed is not None:
-            yield from self._follow(feed, r.from_index, context)
+            yield from coalesce(self._follow(feed, r.from_index, context), per_message)
             return
         slot = srv.slot(r.session_id)
         if not slot.lock.acquire(timeout=60):
@@ -255,7 +257,7 @@ class _Sessions(pbg.SessionsServicer):
             s = srv.host.get(r.session_id)
             events = s.continue_turn(r.from_index) if r.continue_turn else \
                 s.send(r.text, r.role or "user", max_tokens=r.max_tokens)
-            yield from srv.run_turn(s, slot, events, context.is_active)
+            yield from coalesce(srv.run_turn(s, slot, events, context.is_active), per_message)
         finally:
             slot.lock.release()
 

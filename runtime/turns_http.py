@@ -14,6 +14,7 @@ from typing import Any
 from . import openai_api as oa
 from .errors import SessionBusyError, SessionError
 from .guests import GUESTS_DIR
+from .stream_chunks import coalesce
 
 log = logging.getLogger("kvferry.http")
 LOCK_WAIT_S = 30.0  # a request naming a busy session waits this long for it
@@ -115,7 +116,8 @@ class Turn:
             self.cached = cached
             self.put("session", s.id)
             moved = None
-            for c in self.srv.run_turn(s, slot, events, lambda: not self.cancel.is_set()):
+            chunks = self.srv.run_turn(s, slot, events, lambda: not self.cancel.is_set())
+            for c in coalesce(chunks, self.srv.host.policy.stream_interval):  # one SSE event a chunk
                 if c.moved_to:
                     moved = (c.moved_to, c.index)
                     break
@@ -152,8 +154,8 @@ class Turn:
     def _pass(self, c: Any, n_prompt: int, n_out: int) -> int:
         """One chunk of the turn to the request's queue; returns the tokens so far."""
         if c.token >= 0:
-            self.put("token", c.text)
-            return n_out + 1
+            self.put("token", c.text + "".join(c.more_texts))  # serve --stream-interval: several a chunk
+            return n_out + 1 + len(c.more_tokens)
         if c.finish_reason == "error":
             raise SessionError(c.text or "the reply ended with an error")
         if c.finish_reason:

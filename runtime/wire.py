@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 from .errors import RemoteError, SessionMovedError
 from .params import OPTIONS, SAMPLING
 from .proto import kvferry_pb2 as pb
+from .stream_chunks import CLIENT_CHUNK_TOKENS
 
 CHUNK = 4 << 20  # checkpoint bytes per message on Restore
 
@@ -139,7 +140,8 @@ class TurnFollower:
 
     def __init__(self, session_id: str, text: str, role: str, max_tokens: int = 0):
         self.session_id = session_id
-        self.request = pb.SendRequest(session_id=session_id, text=text, role=role, max_tokens=max_tokens)
+        self.request = pb.SendRequest(session_id=session_id, text=text, role=role, max_tokens=max_tokens,
+                                      chunk_tokens=CLIENT_CHUNK_TOKENS)
         self.next_index = 0
         self.moved: str | None = None
         self._mid_turn = False
@@ -148,7 +150,8 @@ class TurnFollower:
     @classmethod
     def resuming(cls, session_id: str, from_index: int) -> "TurnFollower":
         f = cls(session_id, "", "user")
-        f.request = pb.SendRequest(session_id=session_id, continue_turn=True, from_index=from_index)
+        f.request = pb.SendRequest(session_id=session_id, continue_turn=True, from_index=from_index,
+                                   chunk_tokens=CLIENT_CHUNK_TOKENS)
         f.next_index = from_index
         return f
 
@@ -174,7 +177,7 @@ class TurnFollower:
         moved, self.moved = self.moved, None
         if moved and self._mid_turn:
             self.request = pb.SendRequest(session_id=self.session_id, continue_turn=True,
-                                          from_index=self.next_index)
+                                          from_index=self.next_index, chunk_tokens=CLIENT_CHUNK_TOKENS)
         return moved
 
     def gave_up(self) -> RemoteError:

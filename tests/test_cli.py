@@ -146,7 +146,8 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
     """The CI variant of `kvferry bench serve`: small, keys only (never a timing)."""
     r = kvferry("bench", "serve", "--json", "--sessions", "1", "2", "--tokens", "4", "--long-prompt", "200",
                 "--http", "--ttft-samples", "2", "--batch-kv", "shared", "--guest-thread", "step",
-                "--prefill-thread", "on", "--speculate", "on", "--prefix-cache-mb", "32", timeout=900)
+                "--prefill-thread", "on", "--speculate", "on", "--prefix-cache-mb", "32", "--stream-interval", "2",
+                timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["batch_kv"] == "shared" and out["consistency"]["kv"] == "shared"  # the GPU layout, served here
@@ -154,10 +155,11 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
     assert out["prefill_thread"] == "on"  # and its prefill thread (the long prompt beside the decoders)
     assert out["speculate"] == "on"  # and its greedy guesses, queued before each step is waited for
     assert out["prefix_cache_mb"] == 32
+    assert out["stream_interval"] == 2  # two tokens a message after the first: each still counted once below
     assert [p["sessions"] for p in out["points"]] == [1, 2]
     for p in out["points"]:
         for key in ("sessions", "aggregate_tps", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
-                    "mlx_lm_tps"):
+                    "turn_tpot_ms_p50", "turn_tpot_ms_p99", "mlx_lm_tps"):
             assert key in p and p[key] is not None
         assert p["tokens"] == 4 * p["sessions"]
     assert out["long_prompt"]["prompt_tokens"] > 150 and "tpot_ms_p99_during" in out["long_prompt"]

@@ -487,6 +487,60 @@ def test_message_size_limit(tiny_model):
 
 
 
+def test_stream_interval_sends_several_tokens_a_message(tiny_model):
+    """serve --stream-interval 4: the first token alone, then up to 4 a message. A
+    client that did not ask for them still gets one a message, and the SDK hands
+    out one chunk a token: the same tokens, indices and texts either way."""
+    from kvferry.host import ModelHost
+    from kvferry.policy import HostPolicy
+    from kvferry.proto import kvferry_pb2 as pb
+    from kvferry.server import HostServer
+
+    host = ModelHost(str(tiny_model), progress=False, policy=HostPolicy(stream_interval=4))
+    srv = HostServer(host, "127.0.0.1:0", token=TOKEN).start()
+    try:
+        c = Client(srv.address, TOKEN)
+
+        def messages(chunk_tokens: int) -> list:
+            s = c.create_session(max_tokens=11, ignore_eos=True)
+            req = pb.SendRequest(session_id=s.id, text="Count ferries.", chunk_tokens=chunk_tokens)
+            return list(c._stub().Send(req, metadata=c._meta()))
+
+        old, new = messages(0), messages(1024)
+        assert all(not m.more_tokens for m in old) and len(old) == 12  # 11 tokens, then the end
+        assert [1 + len(m.more_tokens) for m in new if m.token >= 0] == [1, 4, 4, 2]
+        assert new[-1].token == -1 and new[-1].finish_reason == "length"
+        flat = [(m.index + k, t, x) for m in new if m.token >= 0
+                for k, (t, x) in enumerate(zip([m.token, *m.more_tokens], [m.text, *m.more_texts]))]
+        one_a_message = [(m.index, m.token, m.text) for m in old if m.token >= 0]
+        assert flat == one_a_message and [i for i, _, _ in flat] == list(range(11))
+        via_sdk = [(e.index, e.token, e.text) for e in c.create_session(max_tokens=11, ignore_eos=True)
+                   .events("Count ferries.") if e.token >= 0]
+        assert via_sdk == one_a_message
+    finally:
+        srv.stop()
+        host.close()
+
+
+def test_coalesced_tokens_go_out_before_a_move_or_an_error():
+    from kvferry.errors import ConfigError
+    from kvferry.policy import HostPolicy
+    from kvferry.proto import kvferry_pb2 as pb
+    from kvferry.stream_chunks import coalesce, expand
+
+    chunks = [pb.TokenChunk(index=i, token=100 + i, text=str(i)) for i in range(3)]
+    moved = pb.TokenChunk(index=3, token=-1, moved_to="10.0.0.2:50051")
+    out = list(coalesce(iter([*chunks, moved]), 8))
+    assert [(m.index, m.token, list(m.more_tokens)) for m in out] == [(0, 100, []), (1, 101, [102]), (3, -1, [])]
+    assert out[-1].moved_to == "10.0.0.2:50051"
+    assert [(e.index, e.token) for m in out[:-1] for e in expand(m)] == [(0, 100), (1, 101), (2, 102)]
+    bad = pb.TokenChunk(index=0, token=1, more_tokens=[2, 3], more_texts=["x"])
+    with pytest.raises(RemoteError, match="carries 2 tokens but 1 texts"):
+        list(expand(bad))
+    with pytest.raises(ConfigError, match="--stream-interval must be at least 1, not 0"):
+        HostPolicy(stream_interval=0)
+
+
 def _python_blocks(path: Path) -> list[str]:
     text = path.read_text()
     return [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]

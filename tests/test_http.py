@@ -276,3 +276,30 @@ def test_a_client_key_holds_at_most_its_share_of_requests(tiny_model):
         front.stop()
         srv.stop(0)
         host.close()
+
+
+def test_stream_interval_sends_several_tokens_an_event(tiny_model):
+    """serve --stream-interval 4 over HTTP: the first token alone, then up to 4 an SSE
+    event; the text and the usage are those of the whole reply."""
+    from kvferry.host import ModelHost
+    from kvferry.http_front import HttpFront
+    from kvferry.policy import HostPolicy
+    from kvferry.server import HostServer
+
+    host = ModelHost(str(tiny_model), progress=False, policy=HostPolicy(stream_interval=4))
+    srv = HostServer(host, "127.0.0.1:0", token=TOKEN).start()
+    front = HttpFront(srv, "127.0.0.1", 0).start()
+    try:
+        oai = openai.OpenAI(base_url=f"http://{front.address}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+        kw = dict(model=host.lm.name, prompt="Ferries", temperature=0, max_tokens=9, extra_body={"ignore_eos": True})
+        whole = oai.completions.create(**kw)
+        events = list(oai.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        texts = [e.choices[0].text for e in events if e.choices and e.choices[0].finish_reason is None]
+        assert "".join(texts) + "".join(e.choices[0].text or "" for e in events
+                                        if e.choices and e.choices[0].finish_reason) == whole.choices[0].text
+        assert len(texts) <= 4  # 9 tokens: 1, then 4 and 4 (and the tail); one event a token would be 9
+        assert events[-1].usage.completion_tokens == whole.usage.completion_tokens == 9
+    finally:
+        front.stop()
+        srv.stop(0)
+        host.close()

@@ -173,11 +173,14 @@ def cmd_bench_serve(a) -> int:
         raise KvferryError("--ttft-samples must be at least 1")
     if a.long_prompt < 0:
         raise KvferryError(f"--long-prompt takes a token count (0: no long-prompt point), not {a.long_prompt}")
+    if a.stream_interval < 1:
+        raise KvferryError(f"--stream-interval takes a token count of at least 1, not {a.stream_interval}")
     if a.prefix_cache_mb is not None and a.prefix_cache_mb < 0:
         raise KvferryError(f"--prefix-cache-mb must be >= 0, not {a.prefix_cache_mb:g}")
     r = run(a.model, tuple(a.sessions), a.tokens, a.long_prompt, progress=(lambda m: print(m, file=sys.stderr)),
             http=a.http, ttft_samples=a.ttft_samples, batch_kv=a.batch_kv, guest_thread=a.guest_thread,
-            prefix_cache_mb=a.prefix_cache_mb, prefill_thread=a.prefill_thread, speculate=a.speculate)
+            prefix_cache_mb=a.prefix_cache_mb, prefill_thread=a.prefill_thread, speculate=a.speculate,
+            stream_interval=a.stream_interval)
     if a.plot:
         plot(r, a.plot)
     if a.json:
@@ -310,6 +313,8 @@ def register(sub, add: Callable) -> None:
                     help="the served host's serve --speculate (default auto: see serve --speculate)")
     bs.add_argument("--prefix-cache-mb", type=float, metavar="MB", help="the served host's serve "
                     "--prefix-cache-mb (default: serve's; 0: every prompt prefilled whole, as mlx-lm's column)")
+    bs.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                    help="the served host's serve --stream-interval (default 1: a message a token)")
     bs.add_argument("--tokens", type=int, default=64, help="tokens per turn (default 64)")
     bs.add_argument("--long-prompt", type=int, default=2000,
                     help="the long prompt's tokens (default 2000; 0: no long-prompt point)")

@@ -35,7 +35,7 @@ def _http_turn(http: str, token: str, tokens: int, model: str) -> tuple[float, i
     import requests
 
     body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first, n = None, 0
     with requests.post(http + "/chat/completions", json=body, stream=True, timeout=600,
@@ -45,8 +45,9 @@ def _http_turn(http: str, token: str, tokens: int, model: str) -> tuple[float, i
             if line.startswith(b"data: {"):
                 d = json.loads(line[6:])
                 if d["choices"] and d["choices"][0]["delta"].get("content") is not None:
-                    n += 1
                     first = first or time.perf_counter()
+                if d.get("usage"):  # the tokens, however many an event carried (serve --stream-interval)
+                    n = d["usage"]["completion_tokens"]
     return (first or time.perf_counter()) - t0, n
 
 

@@ -73,9 +73,13 @@ def _point(turns: list[dict]) -> dict:
     n = sum(len(t["times"]) for t in turns)
     ttft = [(t["times"][0] - t["sent"]) * 1000 for t in turns if t["times"]]
     gaps = [(b - a) * 1000 for t in turns for a, b in zip(t["times"], t["times"][1:])]
+    # vLLM's TPOT: a turn's decode time over its tokens after the first (the gaps above are
+    # its ITL; with serve --stream-interval N they are 0 inside a message and N tokens' long between)
+    per_turn = [(t["times"][-1] - t["times"][0]) * 1000 / (len(t["times"]) - 1) for t in turns if len(t["times"]) > 1]
     return {"sessions": len(turns), "tokens": n, "aggregate_tps": round(n / (end - start), 2),
             "ttft_ms_p50": round(_pct(ttft, 50), 1), "ttft_ms_p99": round(_pct(ttft, 99), 1),
-            "tpot_ms_p50": round(_pct(gaps, 50), 2), "tpot_ms_p99": round(_pct(gaps, 99), 2)}
+            "tpot_ms_p50": round(_pct(gaps, 50), 2), "tpot_ms_p99": round(_pct(gaps, 99), 2),
+            "turn_tpot_ms_p50": round(_pct(per_turn, 50), 2), "turn_tpot_ms_p99": round(_pct(per_turn, 99), 2)}
 
 
 def mlx_lm_tps(lm, prompts: list[str], tokens: int) -> float:
@@ -138,14 +142,15 @@ def _long_prompt(srv: LoopbackHost, token: str, tokens: int, long_prompt: int, l
 def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens: int = 64,
         long_prompt: int = 2000, long_with: int = 4, progress=print, http: bool = False,
         ttft_samples: int = 20, batch_kv: str = "auto", guest_thread: str = "auto",
-        prefix_cache_mb: float | None = None, prefill_thread: str = "auto", speculate: str = "auto") -> dict:
+        prefix_cache_mb: float | None = None, prefill_thread: str = "auto", speculate: str = "auto",
+        stream_interval: int = 1) -> dict:
     from ..collector import freeze
     from ..models import load
 
     token = secrets.token_urlsafe(16)
     srv = LoopbackHost(token, *(["--model", model] if model else []), *(["--http-port", "0"] if http else []),
                        "--batch-kv", batch_kv, "--guest-thread", guest_thread, "--prefill-thread", prefill_thread,
-                       "--speculate", speculate,
+                       "--speculate", speculate, "--stream-interval", str(stream_interval),
                        *(["--prefix-cache-mb", f"{prefix_cache_mb:g}"] if prefix_cache_mb is not None else []))
     points = []
     http_vs_grpc = None
@@ -183,6 +188,7 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
     return {"model": lm.name, "tokens_per_turn": tokens, "points": points, "long_prompt": long,
             "consistency": agree, "batching": True, "batch_kv": batch_kv,
             "guest_thread": guest_thread, "prefill_thread": prefill_thread, "speculate": speculate,
+            "stream_interval": stream_interval,
             "device": current().as_dict(),
             "prefix_cache_mb": HostPolicy.prefix_cache_bytes / 1e6 if prefix_cache_mb is None else prefix_cache_mb,
             **({"http_vs_grpc": http_vs_grpc} if http else {})}

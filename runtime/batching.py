@@ -16,7 +16,7 @@ The guests keep the control plane and ABI v1 is unchanged. Either a guest runs
 on its session's thread, its ``kv_decode`` handing its token to this scheduler
 and waiting for the step, and a step waits for guests still sampling at most
 ``guest_step_ms``; or (``drive``, the GPU default) this thread decodes the token
-each guest returned and then calls the guest's step itself (:meth:`guest_steps`),
+each guest returned and then calls the guest's step itself (:meth:`guest_step`),
 one thread switch a token instead of several.
 
 A GPU host also queues each greedy row's next step on the device's argmax
@@ -73,16 +73,14 @@ class _Request:
     """Tokens a session needs run: a prompt (prefilled in chunks, its last token
     decoded in a batch) or one token to decode. Done when its logits are known, or
     for a driven decode when its guest has chosen the next token from them."""
-    __slots__ = ("session", "tokens", "n0", "done", "logits", "top1", "error", "driven", "out", "most", "fresh",
+    __slots__ = ("session", "tokens", "n0", "done", "logits", "top1", "error", "driven", "token", "fresh",
                  "looked")
 
-    def __init__(self, session: Any, tokens: list[int], driven: bool = False, most: int = 1) -> None:
+    def __init__(self, session: Any, tokens: list[int], driven: bool = False) -> None:
         self.session, self.tokens, self.n0 = session, tokens, len(tokens)
         self.done = threading.Event()
-        self.logits = self.top1 = self.error = None  # top1: (StepTop1, row)
+        self.logits = self.top1 = self.error = self.token = None  # top1: (StepTop1, row)
         self.driven = driven
-        self.out: list[int] = []  # a driven decode's tokens from its guest, up to ``most`` (run ahead)
-        self.most = most
         # a new session's first prompt: it may start from a cached prefix, and is kept for others
         self.fresh = (len(tokens) > 1 and not session.history and session.plain_kv()
                       and session.cache[0].empty())
@@ -96,7 +94,7 @@ class StepScheduler(Speculation):
                  speculate: bool = False, shared_kv: bool = False, split_prefill: bool = False,
                  drive: bool = False, prefill_thread: bool = False) -> None:
         self.host = host
-        self.drive = drive  # decode steps run the guests on this thread (guest_steps)
+        self.drive = drive  # decode steps run the guests on this thread (guest_step)
         # A step with decode rows and prompt chunks: one pass over both (the weights read
         # once: a CPU's bound), or two (GPU: the decode rows keep their batched attention).
         self.split = split_prefill
@@ -173,57 +171,36 @@ class StepScheduler(Speculation):
             if idle or not self.expect:
                 self.cv.notify_all()
 
-    def guest_steps(self, session: Any, last: int | None, most: int = 1) -> tuple[list[int], BaseException | None]:
-        """``session``'s next guest steps (from its own thread): their tokens, the last
-        of them maybe a stop code, and the error that ended them (None).
-
+    def guest_step(self, session: Any, last: int | None) -> int:
+        """``session``'s next guest step (from its own thread): its token or a stop code.
         Driven, a decode of ``last`` (the token its guest returned before, which a chat
         guest decodes next) joins the next step, and this thread then calls the guest
         itself: one thread switch a token instead of several, and no guest waits for
-        the GIL to read its logits. With ``most`` > 1 (``serve --stream-interval``) this
-        thread then decodes the guest's token in the next step itself, and so on, up to
-        ``most`` tokens, a stop code, or a pause (:attr:`Session.hold_ahead`): the
-        session's thread wakes once for them all. A prompt step, or a cache that cannot
-        take a token back, runs the guest on the session's thread as before."""
+        the GIL to read its logits. A prompt step, or a cache that cannot take a
+        token back, runs the guest on the session's thread as before."""
         if not (self.drive and last is not None and last >= 0 and not session._prompt_left
                 and session.plain_kv()):
-            return [session.guest_step()], None
-        req = _Request(session, [last], driven=True, most=most)
+            return session.guest_step()
+        req = _Request(session, [last], driven=True)
         self._enqueue(req)
         req.done.wait()
-        if req.error is not None and not req.out:
+        if req.error is not None:
             raise req.error
-        return req.out, req.error
+        return req.token
 
     def _drive(self, reqs: list[_Request]) -> None:
         """Run the guests of this step's driven rows, each on its logits (on this
-        thread, under a deadline of a few budgets: a guest that spins is cut off); a
-        row with tokens to go decodes its guest's token in the next step."""
+        thread, under a deadline of a few budgets: a guest that spins is cut off)."""
         deadline = max(5 * self.gather_s, 0.1) * 1000
-        ahead = []
         for r in reqs:
             try:
-                tok = r.session.guest_step((r.tokens[-1], r.logits, r.top1), deadline_ms=deadline)
+                r.token = r.session.guest_step((r.tokens[-1], r.logits, r.top1), deadline_ms=deadline)
             except BaseException as e:  # noqa: BLE001 - it is that session's error, told on its thread
                 r.error = e
-                continue
-            r.out.append(tok)
-            s = r.session
-            if (len(r.out) < r.most and 0 <= tok < s.vocab_size and not (s.closed or s.hold_ahead or self.closed)
-                    and s.plain_kv()):
-                r.tokens, r.logits, r.top1 = [tok], None, None
-                ahead.append(r)
-        if ahead:
-            with self.cv:  # (the next step takes them: this is its thread)
-                for r in ahead:
-                    self.expect.discard(r.session)
-                    self.decodes.append(r)
         # woken only now: a session thread woken earlier takes the GIL from this loop at
         # every crossing into a guest (64 sessions on a CPU proxy: 227 against 355 us a guest)
-        going = set(map(id, ahead))
         for r in reqs:
-            if id(r) not in going:
-                r.done.set()
+            r.done.set()
 
     def leave(self, session: Any) -> None:
         """``session`` has no token coming this step (its turn ended or paused)."""

@@ -58,8 +58,7 @@ class HostPolicy:
     drive_guests: bool | None = None  # decode steps call the guests on the step thread (None: on a GPU)
     prefill_thread: bool | None = None  # long prompts beside decodes prefilled on their own thread (None: on a GPU)
     prefix_cache_bytes: int = 64_000_000  # recent prompts' KV that new sessions start from (0: off)
-    stream_interval: int = 1  # tokens a streamed chunk carries at most (the first always alone; vLLM's),
-    # and, with guests on the step thread, tokens it runs a session ahead of the session's thread
+    stream_interval: int = 1  # tokens a streamed chunk carries at most (the first always alone; vLLM's)
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_guest_bytes", "max_tokens", "max_message_bytes", "max_modules",

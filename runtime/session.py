@@ -137,7 +137,6 @@ class Session:
         self._prefill_budget = self._decode_budget = 0
         self._prompt_left = 0
         self._ahead: tuple[int, Any, Any] | None = None  # a decode the host ran ahead (guest_step)
-        self.hold_ahead = False  # a pause waits: the step thread stops running this session ahead
         self.last_used = time.monotonic()  # idle expiry (serve --session-ttl)
         self.owner = ""  # the name of the key that created it (kvferry.keys)
         self.closed = False
@@ -393,58 +392,46 @@ class Session:
         finish = None
         stopped_by_string = False
         n_new = 0
-        limit = min(turn.max_tokens or self.sampling.max_tokens, self.sampling.max_tokens)
-        per_wake = self.host.policy.stream_interval  # tokens the step thread may run ahead (serve --stream-interval)
-        while finish is None:
+        while True:
             i = len(turn.tokens)
-            if i >= limit:
+            if i >= min(turn.max_tokens or self.sampling.max_tokens, self.sampling.max_tokens):
                 finish = "length"  # the host's hard limit, whatever the guest does
                 break
-            room = self.context - 1 - len(self.history) if self.options.ctx is None else limit
-            if room <= 0:
+            if len(self.history) + 1 >= self.context and self.options.ctx is None:
                 finish = "length"
                 break
             t_step = time.perf_counter()
             # a decode step runs the guest on the host's step thread where it can (kvferry.batching)
-            toks, failed = self.host.steps.guest_steps(self, turn.tokens[-1] if n_new else None,
-                                                       min(per_wake, limit - i, room) if n_new else 1)
-            self.last_used, now = time.monotonic(), time.perf_counter()
+            tok = self.host.steps.guest_step(self, turn.tokens[-1] if n_new else None)
+            self.last_used = time.monotonic()
             if n_new:  # the first step of a turn includes its prefill
-                dt = (now - t_step) / len(toks)
+                dt = time.perf_counter() - t_step
                 self.step_seconds = 0.8 * self.step_seconds + 0.2 * dt if self.step_seconds else dt
-            # every token is in the turn before any is handed on: a stream that stops
-            # between them leaves the turn whole (resume() replays from the turn)
-            events = []
-            for tok in toks:
-                if tok < 0:
-                    if tok not in STOP_CODES:
-                        failed = SessionError(f"guest '{self.guest.name}' returned unknown code {tok}")
-                        break
-                    finish = STOP_CODES[tok]
-                    stopped_by_string = tok == -2
-                    break
-                if tok >= self.vocab_size:
-                    self.guest.dead = f"emitted token id {tok}"
-                    failed = SessionError(f"guest '{self.guest.name}' emitted token id {tok}, outside "
-                                          f"the vocabulary (0..{self.vocab_size - 1})")
-                    break
-                metrics.generated_tokens.inc()
-                if t_first is not None:
-                    metrics.tpot.observe((now - t_last) / len(toks))
-                else:
-                    if replay_from is None:
-                        metrics.ttft.observe(now - t0)
-                    t_first = now
-                    stats.prompt_tps = turn.n_prompt / max(now - t0, 1e-9) if replay_from is None else 0.0
-                text = turn.stream.add(tok)
-                events.append(TokenEvent(tok, text, len(turn.tokens)))
-                turn.tokens.append(tok)
-                turn.texts.append(text)
-                n_new += 1
+            if tok < 0:
+                if tok not in STOP_CODES:
+                    raise SessionError(f"guest '{self.guest.name}' returned unknown code {tok}")
+                finish = STOP_CODES[tok]
+                stopped_by_string = tok == -2
+                break
+            if tok >= self.vocab_size:
+                self.guest.dead = f"emitted token id {tok}"
+                raise SessionError(f"guest '{self.guest.name}' emitted token id {tok}, outside "
+                                   f"the vocabulary (0..{self.vocab_size - 1})")
+            now = time.perf_counter()
+            metrics.generated_tokens.inc()
+            if t_first is not None:
+                metrics.tpot.observe(now - t_last)
+            elif replay_from is None:
+                metrics.ttft.observe(now - t0)
             t_last = now
-            yield from events
-            if failed is not None:
-                raise failed
+            if t_first is None:
+                t_first = now
+                stats.prompt_tps = turn.n_prompt / max(now - t0, 1e-9) if replay_from is None else 0.0
+            text = turn.stream.add(tok)
+            turn.tokens.append(tok)
+            turn.texts.append(text)
+            n_new += 1
+            yield TokenEvent(tok, text, i)
         t_end = time.perf_counter()
         tail = turn.stream.finish(stopped_by_string)
         stats.finish_reason = finish

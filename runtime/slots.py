@@ -30,7 +30,6 @@ class Pause:
     idle: bool = False  # the session was not generating: we hold its slot lock instead
     committed: bool = False
     target: str = ""
-    session: Any = None  # held still: its hold_ahead is set while the pause lasts
 
 
 @dataclass
@@ -199,9 +198,6 @@ class TurnDriver:
     def pause(self, sid: str, slot: Slot) -> Pause:
         """Stop the session between two steps (or, if idle, take its slot)."""
         p = Pause()
-        p.session = self.host.sessions.get(sid)
-        if p.session is not None:  # the step thread hands back the tokens it ran ahead (serve --stream-interval)
-            p.session.hold_ahead = True
         slot.pause_req = p
         while True:
             if p.paused.wait(0.002):
@@ -212,8 +208,6 @@ class TurnDriver:
                 return p
 
     def unpause(self, slot: Slot, p: Pause) -> None:
-        if p.session is not None:
-            p.session.hold_ahead = False
         if p.idle:
             slot.lock.release()
         else:

@@ -22,17 +22,15 @@ def greedy(n):
     return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
 
 
-@pytest.fixture(scope="module", params=[(False, False, 1), (True, False, 1), (True, True, 1), (True, True, 4)],
-                ids=["per-session-kv", "shared-kv", "shared-kv-step-guests", "step-guests-run-ahead"])
+@pytest.fixture(scope="module", params=[(False, False), (True, False), (True, True)],
+                ids=["per-session-kv", "shared-kv", "shared-kv-step-guests"])
 def host(smollm, request):
     """A host of each KV layout: per-session caches (the CPU default) and shared
-    resident rows (kvferry.resident, the GPU default), on this CPU; the last two also
-    run decode steps' guests on the step thread (serve --guest-thread step, the
-    GPU default), and the last runs each session up to 4 tokens ahead of its thread
-    (serve --stream-interval 4)."""
-    shared, drive, interval = request.param
-    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, shared_kv=shared, drive_guests=drive,
-                                                               stream_interval=interval))
+    resident rows (kvferry.resident, the GPU default), on this CPU; the last also
+    runs decode steps' guests on the step thread (serve --guest-thread step, the
+    GPU default)."""
+    shared, drive = request.param
+    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, shared_kv=shared, drive_guests=drive))
     assert (h.steps.shared is not None) == shared and h.steps.drive == drive
     yield h
     h.close()
@@ -281,35 +279,6 @@ def test_a_checkpoint_taken_mid_batch_continues_identically(host, solo):
     assert head + rest == solo[x_prompt]
     assert others == {p: solo[p] for p in PROMPTS[:2]}
     host.close_session(y.id)
-
-
-def test_the_step_thread_runs_a_session_ahead_up_to_the_stream_interval(smollm):
-    """serve --stream-interval 4 with guests on the step thread: after the prompt's
-    step, a session's thread wakes once for 4 tokens (the last wake for what is left
-    of max_tokens), and the reply is the one a host without run-ahead gives."""
-    prompt = PROMPTS[0]
-    plain = ModelHost(lm=smollm, progress=False)
-    try:
-        want = [e.token for e in plain.create_session(sampling=greedy(14)).send(prompt) if e.token >= 0]
-    finally:
-        plain.close()
-    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(shared_kv=True, drive_guests=True, stream_interval=4))
-    wakes = []
-    steps = h.steps.guest_steps
-
-    def counted(session, last, most=1):
-        toks, err = steps(session, last, most)
-        wakes.append(len(toks))
-        return toks, err
-    h.steps.guest_steps = counted
-    try:
-        s = h.create_session(sampling=greedy(14))
-        events = [e for e in s.send(prompt) if e.token >= 0]
-        assert [e.token for e in events] == want and [e.index for e in events] == list(range(14))
-        assert wakes == [1, 4, 4, 4, 1]
-        assert s.history[-13:] == want[:13] and s.turn is None  # the last token is decoded by the next turn
-    finally:
-        h.close()
 
 
 @pytest.fixture(scope="module")

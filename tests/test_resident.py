@@ -56,13 +56,9 @@ def test_join_and_leave_keep_the_kv_bit_for_bit(smollm):
         h.close()
 
 
-@pytest.fixture(scope="module", params=[{}, {"drive_guests": True, "stream_interval": 4}],
-                ids=["one-token-a-wake", "run-ahead-4"])
-def shared_pair(smollm_dir, request):
-    """Two hosts with resident rows; the second pair's step threads also run each
-    session up to 4 tokens ahead of its thread (serve --stream-interval 4), so a
-    move must stop a session the step thread is running."""
-    hs = [ModelHost(str(smollm_dir), progress=False, policy=HostPolicy(max_batch=8, shared_kv=True, **request.param))
+@pytest.fixture(scope="module")
+def shared_pair(smollm_dir):
+    hs = [ModelHost(str(smollm_dir), progress=False, policy=HostPolicy(max_batch=8, shared_kv=True))
           for _ in range(2)]
     a, b = (HostServer(h, "127.0.0.1:0", token=TOKEN).start() for h in hs)
     a.peers, b.peers = (b.address,), (a.address,)

@@ -370,6 +370,17 @@ class Guest:
         the host's own work inside its kv_prefill and kv_decode calls)."""
         return time.thread_time() - gc_cpu_seconds() - self._call_cpu - self._host_cpu
 
+    def cpu_seconds_over(self, budget: float) -> float | None:
+        """:meth:`cpu_seconds` where it is over ``budget``, else None. The call's wall
+        time less the host's bounds it from above (the guest's CPU, less the host's
+        and the collector's, is part of that wall), and reading it costs no system
+        call: a thread's CPU clock does, and under load each is a chance for the OS
+        to run another thread while this one holds the GIL."""
+        if time.perf_counter() - self._call_start - self._host_time <= budget:
+            return None
+        spent = self.cpu_seconds()
+        return spent if spent > budget else None
+
     def host_compute(self, seconds: float, cpu: float = 0.0) -> None:
         """Host functions report model time (wall, and ``cpu`` of this thread) so it
         does not count against the guest's deadline or its step budget."""

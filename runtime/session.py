@@ -221,6 +221,9 @@ class Session:
             raise SessionError(f"context full ({self.context} tokens)")
         self._logits, self._top1 = self.host.steps.run(self, [token])  # one row of the host's next decode batch
 
+    def ran_ahead(self, token: int) -> bool:
+        return self._ahead is not None and self._ahead[0] == token
+
     def logits(self):
         if self._logits is None:
             raise SessionError("no logits yet: the guest read logits before any prefill/decode")
@@ -359,12 +362,12 @@ class Session:
             log.warning("session %s: %s", self.id, e)
             raise
         finally:
-            spent = self.guest.cpu_seconds()  # its own CPU time: model work excluded, and the take-back
+            spent = self.guest.cpu_seconds_over(budget)  # its own CPU time: model work excluded, and the take-back
             self._prefill_budget = self._decode_budget = 0
             if self._ahead is not None:  # the guest did not decode the token run for it
                 self._ahead = None
                 self._take_back()
-        if spent > budget:
+        if spent is not None:
             self.host.metrics.guest_traps.inc()
             log.warning("session %s: guest over its step budget (%.1f ms of CPU)", self.id, spent * 1000)
             self.guest.dead = f"spent {spent * 1000:.1f} ms of CPU in a step"

@@ -50,10 +50,12 @@ def coalesce(chunks: Iterable[pb.TokenChunk], n: int) -> Iterator[pb.TokenChunk]
 
 
 def _merge(held: list[pb.TokenChunk]) -> pb.TokenChunk:
-    head = held[0]
-    if len(held) > 1:
-        head.more_tokens.extend(c.token for c in held[1:])
-        head.more_texts.extend(c.text for c in held[1:])
+    if len(held) == 1:
+        return held[0]
+    head = pb.TokenChunk()
+    head.CopyFrom(held[0])  # a new message: a turn's feed keeps its chunks for later followers
+    head.more_tokens.extend(c.token for c in held[1:])
+    head.more_texts.extend(c.text for c in held[1:])
     return head
 
 

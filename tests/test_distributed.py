@@ -533,6 +533,7 @@ def test_coalesced_tokens_go_out_before_a_move_or_an_error():
     out = list(coalesce(iter([*chunks, moved]), 8))
     assert [(m.index, m.token, list(m.more_tokens)) for m in out] == [(0, 100, []), (1, 101, [102]), (3, -1, [])]
     assert out[-1].moved_to == "10.0.0.2:50051"
+    assert not chunks[1].more_tokens  # the chunks themselves are left as they were (a feed replays them)
     assert [(e.index, e.token) for m in out[:-1] for e in expand(m)] == [(0, 100), (1, 101), (2, 102)]
     bad = pb.TokenChunk(index=0, token=1, more_tokens=[2, 3], more_texts=["x"])
     with pytest.raises(RemoteError, match="carries 2 tokens but 1 texts"):

@@ -446,6 +446,7 @@ class StepScheduler(Speculation):
         if self.packed and rows and plan and not self.split:
             return self._forward_packed(rows, plan)
         out, logits = [], []
+        resident = False
         if rows:
             if tokens is None:
                 tokens = mx.array([[r.tokens[-1]] for r in rows], dtype=mx.int32)
@@ -458,6 +459,7 @@ class StepScheduler(Speculation):
                 batch = model(tokens, cache=self.shared.step(sessions))[:, -1]
                 self.shared.advance(sessions)
                 out.extend(self.shared.k + self.shared.v)
+                resident = True
             else:
                 n_layers = len(rows[0].session.cache)
                 caches = [RowCaches([r.session.cache[j] for r in rows]) for j in range(n_layers)]
@@ -471,7 +473,10 @@ class StepScheduler(Speculation):
             self._prefill(plan)
             out.extend(c.state for req, _ in plan for c in req.session.cache)
         if not wait:
-            mx.async_eval(out + [c.state for r in rows for c in r.session.cache])
+            # a row's own caches too, so none is left lazy on this thread's stream; a
+            # resident row's are views of the buffers already in ``out`` (slicing them
+            # all was half the step thread's time at 64 rows on a GPU)
+            mx.async_eval(out if resident else out + [c.state for r in rows for c in r.session.cache])
             return logits
         mx.eval(out)
         return logits

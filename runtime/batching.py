@@ -106,7 +106,6 @@ class StepScheduler(Speculation):
 
         self.device_top1 = mx.default_device() != mx.cpu
         self.guesses: dict[Any, Any] = {}  # session -> its speculated next step (kvferry.speculation)
-        self.guessed = None  # the guesses' tokens: a device array, read once at the next step
         self.missed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # guesses missed in a row
         self.max_batch = max_batch
         self.gather_s = guest_step_ms / 1000

@@ -28,24 +28,28 @@ MISSES = 2  # guesses a session's guest may turn down in a row before it is no l
 
 
 class _Guess:
-    """A speculated next step of one session, on row ``row`` of the step's guessed
-    tokens: valid while its cache is where it was."""
-    __slots__ = ("row", "logits", "offset", "epoch", "n")
+    """A speculated next step of one session, on row ``row`` of ``tokens`` (the
+    guessed tokens of the step that made it, a device array): valid while its cache
+    is where it was, also when its session comes back a step or more late."""
+    __slots__ = ("tokens", "row", "logits", "offset", "epoch", "n")
 
-    def __init__(self, row: int, logits: Any, session: Any) -> None:
-        self.row, self.logits = row, logits
+    def __init__(self, tokens: Any, row: int, logits: Any, session: Any) -> None:
+        self.tokens, self.row, self.logits = tokens, row, logits
         self.offset, self.epoch, self.n = session.cache[0].offset, session.kv_epoch, len(session.history)
 
-    def holds(self, session: Any, token: int, guessed: list[int]) -> bool:
+    def holds(self, session: Any, token: int, read: dict) -> bool:
+        """``read``: each step's guessed tokens as a list, by id, filled as needed."""
+        guessed = read.get(id(self.tokens))
+        if guessed is None:  # every row's guess in one read: computed by now, before its step
+            guessed = read[id(self.tokens)] = self.tokens.tolist()
         return (token == guessed[self.row] and not session.closed and session.cache
                 and session.cache[0].offset == self.offset and session.kv_epoch == self.epoch
                 and len(session.history) == self.n)
 
 
 class Speculation:
-    """The scheduler's guesses: ``speculate``, ``guesses`` (session -> _Guess),
-    ``guessed`` (their tokens, a device array) and ``missed`` (session -> misses in a
-    row) are set up by the scheduler; these methods run on its thread, under the
+    """The scheduler's guesses: ``speculate``, ``guesses`` (session -> _Guess) and
+    ``missed`` (session -> misses in a row) are set up by the scheduler; these methods run on its thread, under the
     compute lock."""
 
     def _step(self, rows: list, plan: list, wait: bool = True) -> list:
@@ -57,19 +61,20 @@ class Speculation:
 
         if not self.guesses:
             return self._forward(rows, plan, wait=wait)
-        hit = {}
-        guessed = self.guessed.tolist()  # every row's guess in one read: computed by now, before its step
+        hit, read = {}, {}
         for r in rows:
             g = self.guesses.pop(r.session, None)
-            if g is not None and g.holds(r.session, r.tokens[-1], guessed):
+            if g is not None and g.holds(r.session, r.tokens[-1], read):
                 hit[r] = g
                 self.missed[r.session] = 0
             elif g is not None:
                 self.missed[r.session] = self.missed.get(r.session, 0) + 1
-        self.guesses.clear()  # a guess not taken now never will be
+        # a session not in this step keeps its guess: its K/V sit past its offset, where no
+        # other row's step writes, until it comes back (a stream slow to send) or leaves
         if not hit:
             return self._forward(rows, plan, wait=wait)
-        rest = iter(self._forward([r for r in rows if r not in hit], plan, wait=wait))
+        others = [r for r in rows if r not in hit]
+        rest = iter(self._forward(others, plan, wait=wait) if others or plan else [])
         for r in hit:  # (after the others' pass: a failed step leaves every cache as it was)
             for c in r.session.cache:
                 c.offset += 1
@@ -109,9 +114,8 @@ class Speculation:
                 c.offset = o  # the guess's K/V stay one past the offset until it is taken
         if nxt is None:
             return
-        self.guessed = guess
         for i, (r, lo) in enumerate(zip(rows, nxt)):
-            self.guesses[r.session] = _Guess(i, lo, r.session)
+            self.guesses[r.session] = _Guess(guess, i, lo, r.session)
         self.stats["speculated"] += len(rows)
 
     @staticmethod

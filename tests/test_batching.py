@@ -369,6 +369,21 @@ def test_a_speculated_resident_step_schedules_the_buffers_not_every_rows_cache(s
     assert scheduled and max(scheduled) <= 2 * layers + len(PROMPTS)  # buffers + logits
 
 
+def test_a_session_late_for_a_step_keeps_its_guess(speculating, solo, monkeypatch):
+    """With no gather window, sessions come back for the next step one by one, most
+    of them a step or more late (as behind a slow stream): each still takes the step
+    guessed for it, so every guess is taken but each turn's last, and the replies
+    are the solo ones."""
+    monkeypatch.setattr(speculating.steps, "gather_s", 0.0)
+    st = speculating.steps.stats
+    made0, taken0, steps0 = st["speculated"], st["speculation_hits"], st["steps"]
+    out, errors = together(speculating, PROMPTS)
+    assert not errors and out == {p: solo[p] for p in PROMPTS}
+    made, taken = st["speculated"] - made0, st["speculation_hits"] - taken0
+    assert st["steps"] - steps0 > 16  # the sessions did not all step together
+    assert made >= 8 and taken >= made - len(PROMPTS)
+
+
 def test_a_wrong_guess_is_computed_again(speculating, solo, monkeypatch):
     """Guesses that never match (here forced): every step runs again on the guest's
     token, so the reply is still the solo one."""

@@ -26,6 +26,12 @@ SHAPES = {
                    "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
                    "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
                    "max_position_embeddings": 8192},
+    # The same width at SmolLM2's 30 layers: the host's per-layer work a step (the
+    # graph, the caches) shows as it does on a GPU serving SmolLM2.
+    "host-proxy-deep": {"hidden_size": 64, "num_hidden_layers": 30, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+                        "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                        "max_position_embeddings": 8192},
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
                    "special_tokens_map.json", "vocab.json",

@@ -313,7 +313,7 @@ class StepScheduler(Speculation):
                         self.prefills.remove(req)
                         self.decodes.append(req)
             t0 = time.perf_counter()
-            t_lock, gc0 = t0, paused_seconds()
+            t_lock, gc0, hits0 = t0, paused_seconds(), self.stats["speculation_hits"]
             try:
                 with self.host.compute:
                     t_lock = time.perf_counter()
@@ -350,6 +350,7 @@ class StepScheduler(Speculation):
                 self._trace.write(json.dumps({
                     "t": round(t0, 6), "forward_ms": round((t1 - t0) * 1e3, 2),
                     "lock_ms": round((t_lock - t0) * 1e3, 2),  # of forward_ms: waiting for the compute lock
+                    "guessed": self.stats["speculation_hits"] - hits0,  # rows that took their speculated step
                     "guests_ms": round((time.perf_counter() - t1) * 1e3, 2),
                     "gc_ms": round((paused_seconds() - gc0) * 1e3, 2),  # collections (any thread's) in both
                     "rows": [[r.session.id, len(r.session.history)] for r in rows],

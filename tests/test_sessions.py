@@ -225,7 +225,9 @@ def test_step_trace_writes_a_line_per_step_and_refuses_a_bad_folder(tiny_model, 
         h.close()
     lines = [json.loads(x) for f in (tmp_path / "trace").glob("steps-*.jsonl") for x in f.read_text().splitlines()]
     assert any(x["prompts"] for x in lines) and sum(1 for x in lines if x["rows"]) >= 3
-    assert all({"t", "forward_ms", "lock_ms", "guests_ms", "gc_ms", "rows", "prompts"} <= set(x) for x in lines)
+    assert all({"t", "forward_ms", "lock_ms", "guests_ms", "gc_ms", "guessed", "rows", "prompts"} <= set(x)
+               for x in lines)
+    assert all(0 <= x["guessed"] <= len(x["rows"]) for x in lines)  # (a CPU host does not speculate)
     assert all(0 <= x["lock_ms"] <= x["forward_ms"] for x in lines)
     assert all(0 <= x["gc_ms"] <= x["forward_ms"] + x["guests_ms"] + 0.02 for x in lines)  # rounding
     (tmp_path / "file").write_text("")

@@ -268,7 +268,8 @@ def register(sub, add: Callable) -> None:
     bm.add_argument("--plot", help="write a PNG figure (needs matplotlib)")
     bm.add_argument("--json", action="store_true")
     bh = add(b, "shape", cmd_bench_shape, "install a random-weight model of a real model's dimensions (for "
-             "timing), or host-proxy: a tiny one whose forward pass is cheap, so a host's own work shows")
+             "timing), or host-proxy(-deep): a tiny one (2 or 30 layers) whose forward pass is cheap, so a "
+             "host's own work shows")
     bh.add_argument("shape", choices=list(SHAPES))
     bh.add_argument("--name", help="its name in the model store (default: SHAPE-random)")
     bh.add_argument("--force", action="store_true", help="build it again")

@@ -96,10 +96,10 @@ class ResidentRows:
     def can_join(self, session: Any) -> bool:
         """A plain float KV cache on every layer, of this buffer's dtype."""
         caches = session.cache
+        if caches and type(caches[0]) is ResidentKV:  # (every layer joined with the first: no need to look)
+            return caches[0]._rows is self
         if not caches or not all(type(c) in (KVCache, ResidentKV) for c in caches):
             return False
-        if type(caches[0]) is ResidentKV:
-            return caches[0]._rows is self
         keys = caches[0].keys
         return keys is None or not self.k or keys.dtype == self.k[0].dtype
 

@@ -485,7 +485,7 @@ class Session:
     # -- reporting ---------------------------------------------------------------
     def plain_kv(self) -> bool:
         """A plain KVCache on every layer (a resident row's too): a step run ahead on it can be taken back."""
-        return bool(self.cache) and all(cache_kind(c) == "KVCache" for c in self.cache)
+        return bool(self.cache) and all(cache_kind(c) == "KVCache" for c in {type(c): c for c in self.cache}.values())
 
     def memory(self) -> dict:
         kv = sum(c.nbytes for c in self.cache if not c.empty())

@@ -34,13 +34,14 @@ import weakref
 from collections import deque
 from typing import Any
 
-from .batch_attention import PackedCaches, RowCaches, install, install_packed
+from .batch_attention import install, install_packed
 from .collector import paused_seconds
 from .errors import ConfigError, SessionError
 from .prefill_thread import PrefillThread, eligible, private_copy
 from .top1 import StepTop1
 from .prompt_budget import PromptBudget
 from .speculation import Speculation
+from .step_forward import StepForward
 
 
 _LIVE: "weakref.WeakSet[StepScheduler]" = weakref.WeakSet()
@@ -87,7 +88,7 @@ class _Request:
         self.looked = False  # the prefix cache was asked for it
 
 
-class StepScheduler(Speculation):
+class StepScheduler(Speculation, StepForward):
     """The step loop of one host (one thread). See the module docstring."""
 
     def __init__(self, host: Any, *, max_batch: int, guest_step_ms: float, step_tokens: int = 0,
@@ -435,80 +436,6 @@ class StepScheduler(Speculation):
     @staticmethod
     def request(session: Any, tokens: list[int]) -> _Request:
         return _Request(session, tokens)
-
-    def _forward(self, rows: list[_Request], plan: list, wait: bool = True, tokens: Any = None):
-        """One step's model work; returns each decode row's logits, evaluated (with
-        ``wait`` False: scheduled, still running). ``tokens``: the rows' tokens as a
-        ``(B, 1)`` device array (a guess not yet computed), else their last ones."""
-        import mlx.core as mx
-
-        model = self.host.lm.model
-        if self.packed and rows and plan and not self.split:
-            return self._forward_packed(rows, plan)
-        out, logits = [], []
-        resident = False
-        if rows:
-            if tokens is None:
-                tokens = mx.array([[r.tokens[-1]] for r in rows], dtype=mx.int32)
-            if len(rows) == 1 or not self.batched:
-                parts = [model(tokens[i:i + 1], cache=r.session.cache)[:, -1] for i, r in enumerate(rows)]
-                batch = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-            elif self.shared is not None and self.shared.take([r.session for r in rows], self.stats):
-                sessions = [r.session for r in rows]
-                self.stats["resident_steps"] += 1
-                batch = model(tokens, cache=self.shared.step(sessions))[:, -1]
-                self.shared.advance(sessions)
-                out.extend(self.shared.k + self.shared.v)
-                resident = True
-            else:
-                n_layers = len(rows[0].session.cache)
-                caches = [RowCaches([r.session.cache[j] for r in rows]) for j in range(n_layers)]
-                batch = model(tokens, cache=caches)[:, -1]
-            # one evaluated float32 array per row: the guest's kv_logits then only reads it
-            # (a lazy op made on this thread's stream could not be evaluated on the guest's)
-            batch = batch.astype(mx.float32)
-            logits = [batch[i] for i in range(len(rows))]
-            out.extend(logits)
-        if plan:
-            self._prefill(plan)
-            out.extend(c.state for req, _ in plan for c in req.session.cache)
-        if not wait:
-            # a row's own caches too, so none is left lazy on this thread's stream; a
-            # resident row's are views of the buffers already in ``out`` (slicing them
-            # all was half the step thread's time at 64 rows on a GPU)
-            mx.async_eval(out if resident else out + [c.state for r in rows for c in r.session.cache])
-            return logits
-        mx.eval(out)
-        return logits
-
-    def _prefill(self, plan: list) -> None:
-        """Prompt chunks into their sessions' caches. No logits: a prompt's last token
-        is decoded in a batch. Several chunks go side by side in one pass (packed)."""
-        import mlx.core as mx
-
-        model = self.host.lm.model
-        body = getattr(model, "model", None) if self.packed else None  # no vocabulary projection
-        if body is not None and len(plan) > 1:
-            tokens = [t for _, chunk in plan for t in chunk]
-            body(mx.array(tokens, dtype=mx.int32)[None], cache=PackedCaches.of([(r.session, len(c)) for r, c in plan]))
-            return
-        for req, chunk in plan:
-            (body or model)(mx.array(chunk, dtype=mx.int32)[None], cache=req.session.cache)
-
-    def _forward_packed(self, rows: list[_Request], plan: list):
-        """Decode rows and prompt chunks in one forward pass (one read of the weights);
-        the vocabulary projection runs on the decode rows' positions only."""
-        import mlx.core as mx
-
-        model = self.host.lm.model
-        tokens = [r.tokens[-1] for r in rows] + [t for _, chunk in plan for t in chunk]
-        caches = PackedCaches.of([(r.session, 1) for r in rows] + [(req.session, len(c)) for req, c in plan])
-        hidden = model.model(mx.array(tokens, dtype=mx.int32)[None], cache=caches)[:, :len(rows)]
-        head = model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear  # (tied embeddings)
-        out = head(hidden)[0].astype(mx.float32)
-        logits = [out[i] for i in range(len(rows))]  # a row's logits: its token's position
-        mx.eval(logits + [c.state for req, _ in plan for c in req.session.cache])
-        return logits
 
     def _account(self, rows: list, n_prompt: int, dt: float) -> None:
         s = self.stats

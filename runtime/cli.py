@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from typing import Callable
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -328,10 +330,18 @@ def build_parser() -> argparse.ArgumentParser:
 _SAMPLING_FLAGS = ("--temp", "--top-p", "--top-k", "--seed", "--max-tokens", "--stop", "--ignore-eos")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.sampling_given = any(a.split("=")[0] in _SAMPLING_FLAGS for a in argv)
+    if args.cmd == "bench" and threading.current_thread() is threading.main_thread():
+        # stopped by SIGTERM (`timeout`, a job runner), a bench unwinds as on Ctrl-C, so the hosts
+        # it started are stopped too: Python's default would exit with them still serving
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.fn(args) or 0
     except KvferryError as e:

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 
 
@@ -140,6 +141,58 @@ def test_bench_migrate_runs(smollm_dir):
     assert out["targets"]["transfer_mb_s_min"] == t["transfer_mb_s"] and out["device"]["kind"] == "cpu"
     assert out["model"] == "SmolLM2-135M-Instruct"  # which model moved (the plot's title says it too)
     assert out["precopy_rate_mb_s"] == "host default"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            if d.isdigit() and int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_bench_stopped_with_sigterm_stops_the_host_it_started(smollm_dir):
+    """`timeout 60 kvferry bench serve …` (SIGTERM) stops the served host it started
+    (its own process group: Ray's processes and the host actor with it) instead of
+    leaving it serving."""
+    import signal
+
+    bench = subprocess.Popen([sys.executable, "-m", "kvferry", "bench", "serve", "--sessions", "1", "--tokens", "512",
+                              "--long-prompt", "0", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in bench.stderr:
+            if "concurrent sessions" in line:  # the host is up and serving the bench's clients
+                break
+        served = _descendants(bench.pid)
+        assert len(served) >= 3 and all(_running(p) for p in _children(bench.pid))  # serve, its raylet, its host
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(120) == 130
+        deadline = time.time() + 90
+        while any(_running(p) for p in served) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not any(_running(p) for p in served)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
 
 
 def test_bench_serve_runs_and_reports_every_key(smollm_dir):

@@ -200,7 +200,7 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
     r = kvferry("bench", "serve", "--json", "--sessions", "1", "2", "--tokens", "4", "--long-prompt", "200",
                 "--http", "--ttft-samples", "2", "--batch-kv", "shared", "--guest-thread", "step",
                 "--prefill-thread", "on", "--speculate", "on", "--prefix-cache-mb", "32", "--stream-interval", "2",
-                timeout=900)
+                "--max-batch", "2", timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["batch_kv"] == "shared" and out["consistency"]["kv"] == "shared"  # the GPU layout, served here
@@ -209,6 +209,7 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
     assert out["speculate"] == "on"  # and its greedy guesses, queued before each step is waited for
     assert out["prefix_cache_mb"] == 32
     assert out["stream_interval"] == 2  # two tokens a message after the first: each still counted once below
+    assert out["max_batch"] == 2
     assert [p["sessions"] for p in out["points"]] == [1, 2]
     for p in out["points"]:
         for key in ("sessions", "aggregate_tps", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
@@ -227,6 +228,8 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
     bad = kvferry("bench", "serve", "--long-prompt", "-5", timeout=120)
     assert bad.returncode != 0 and bad.stderr.strip() == ("kvferry: --long-prompt takes a token count "
                                                           "(0: no long-prompt point), not -5")
+    bad = kvferry("bench", "serve", "--max-batch", "0", timeout=120)
+    assert bad.returncode != 0 and bad.stderr.strip() == "kvferry: --max-batch takes a row count of at least 1, not 0"
 
 
 def test_bench_step_runs_and_reports_every_key(smollm_dir):

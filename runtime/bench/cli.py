@@ -175,12 +175,14 @@ def cmd_bench_serve(a) -> int:
         raise KvferryError(f"--long-prompt takes a token count (0: no long-prompt point), not {a.long_prompt}")
     if a.stream_interval < 1:
         raise KvferryError(f"--stream-interval takes a token count of at least 1, not {a.stream_interval}")
+    if a.max_batch is not None and a.max_batch < 1:
+        raise KvferryError(f"--max-batch takes a row count of at least 1, not {a.max_batch}")
     if a.prefix_cache_mb is not None and a.prefix_cache_mb < 0:
         raise KvferryError(f"--prefix-cache-mb must be >= 0, not {a.prefix_cache_mb:g}")
     r = run(a.model, tuple(a.sessions), a.tokens, a.long_prompt, progress=(lambda m: print(m, file=sys.stderr)),
             http=a.http, ttft_samples=a.ttft_samples, batch_kv=a.batch_kv, guest_thread=a.guest_thread,
             prefix_cache_mb=a.prefix_cache_mb, prefill_thread=a.prefill_thread, speculate=a.speculate,
-            stream_interval=a.stream_interval)
+            stream_interval=a.stream_interval, max_batch=a.max_batch)
     if a.plot:
         plot(r, a.plot)
     if a.json:
@@ -316,6 +318,8 @@ def register(sub, add: Callable) -> None:
                     "--prefix-cache-mb (default: serve's; 0: every prompt prefilled whole, as mlx-lm's column)")
     bs.add_argument("--stream-interval", type=int, default=1, metavar="N",
                     help="the served host's serve --stream-interval (default 1: a message a token)")
+    bs.add_argument("--max-batch", type=int, metavar="N",
+                    help="the served host's serve --max-batch (default: serve's, 32 on a CPU, 128 on a GPU)")
     bs.add_argument("--tokens", type=int, default=64, help="tokens per turn (default 64)")
     bs.add_argument("--long-prompt", type=int, default=2000,
                     help="the long prompt's tokens (default 2000; 0: no long-prompt point)")

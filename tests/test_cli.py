@@ -229,7 +229,9 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
     assert bad.returncode != 0 and bad.stderr.strip() == ("kvferry: --long-prompt takes a token count "
                                                           "(0: no long-prompt point), not -5")
     bad = kvferry("bench", "serve", "--max-batch", "0", timeout=120)
-    assert bad.returncode != 0 and bad.stderr.strip() == "kvferry: --max-batch takes a row count of at least 1, not 0"
+    assert bad.returncode != 0 and bad.stderr.strip() == "kvferry: --max-batch must be at least 1, not 0"
+    bad = kvferry("bench", "serve", "--stream-interval", "0", timeout=120)
+    assert bad.returncode != 0 and bad.stderr.strip() == "kvferry: --stream-interval must be at least 1, not 0"
 
 
 def test_bench_step_runs_and_reports_every_key(smollm_dir):

@@ -8,7 +8,7 @@ from typing import Callable
 
 from ..console import print_json
 from ..errors import KvferryError
-from ..policy import BATCH_KV, GUEST_THREAD, PREFILL_THREAD, SPECULATE
+from ..policy import BATCH_KV, GUEST_THREAD, PREFILL_THREAD, SPECULATE, HostPolicy
 from .shape import SHAPES
 
 
@@ -173,10 +173,7 @@ def cmd_bench_serve(a) -> int:
         raise KvferryError("--ttft-samples must be at least 1")
     if a.long_prompt < 0:
         raise KvferryError(f"--long-prompt takes a token count (0: no long-prompt point), not {a.long_prompt}")
-    if a.stream_interval < 1:
-        raise KvferryError(f"--stream-interval takes a token count of at least 1, not {a.stream_interval}")
-    if a.max_batch is not None and a.max_batch < 1:
-        raise KvferryError(f"--max-batch takes a row count of at least 1, not {a.max_batch}")
+    HostPolicy(stream_interval=a.stream_interval, max_batch=a.max_batch)  # the served host's own checks, up front
     if a.prefix_cache_mb is not None and a.prefix_cache_mb < 0:
         raise KvferryError(f"--prefix-cache-mb must be >= 0, not {a.prefix_cache_mb:g}")
     r = run(a.model, tuple(a.sessions), a.tokens, a.long_prompt, progress=(lambda m: print(m, file=sys.stderr)),

@@ -244,6 +244,10 @@ def test_bench_step_runs_and_reports_every_key(smollm_dir):
     assert out["device"]["blas"] in ("openblas", "scipy-openblas", "custom"), out["device"]
     for p in out["points"]:
         assert all(p[k] > 0 for k in ("shared_ms", "per_session_ms", "mlx_lm_ms", "shared_over_mlx_lm"))
+        for name in ("shared_pipelined", "mlx_lm_pipelined"):  # a served step's host time, split
+            q = p[name]
+            assert q["build_ms"] > 0 and q["submit_ms"] > 0 and q["wait_ms"] >= 0, q
+            assert q["step_ms"] >= max(q["build_ms"], q["submit_ms"]), q
     bad = kvferry("bench", "step", "--rows", "0", timeout=120)
     assert bad.returncode != 0 and bad.stderr.strip().startswith("kvferry: --rows takes counts >= 1")
 

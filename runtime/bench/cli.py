@@ -152,6 +152,13 @@ def cmd_bench_step(a) -> int:
         for p in r["points"]:
             print(f"{p['rows']:>5} {p['shared_ms']:>10} {p['per_session_ms']:>15} {p['mlx_lm_ms']:>10} "
                   f"{p['shared_over_mlx_lm']:>14}")
+        print("\npipelined (the next step queued before this one is waited for), ms a step:")
+        print(f"{'rows':>5} {'layout':>7} {'build':>7} {'submit':>7} {'wait':>7} {'step':>7}")
+        for p in r["points"]:
+            for name in ("shared", "mlx_lm"):
+                q = p[f"{name}_pipelined"]
+                print(f"{p['rows']:>5} {name.replace('_', '-'):>7} {q['build_ms']:>7} {q['submit_ms']:>7} "
+                      f"{q['wait_ms']:>7} {q['step_ms']:>7}")
     return 0
 
 

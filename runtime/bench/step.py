@@ -7,6 +7,13 @@ layer, one scatter and one masked attention for every row), ``per_session``
 Each row holds a ``context``-token prompt; a figure is the median step of
 ``steps``, after ``warmup`` (on a GPU the first steps compile kernels). Guests,
 streams and the step loop are left out: ``bench serve`` measures those.
+
+Each layout's figure is a step waited for. ``*_pipelined`` splits a step run as a
+served host and mlx-lm's generator run it, the next step queued on the device's
+argmax before this one is waited for: ``build_ms`` (the graph, in Python),
+``submit_ms`` (``mx.async_eval``: MLX hands the graph's kernels to the device,
+host time), ``wait_ms`` (what the host still waits for the device) and
+``step_ms``. On a GPU a step is host-bound when ``wait_ms`` is near zero.
 """
 
 from __future__ import annotations
@@ -40,6 +47,26 @@ def run(model: str | None = None, rows: tuple[int, ...] = (1, 8), context: int =
                 times.append((time.perf_counter() - t) * 1000)
         return round(sorted(times)[len(times) // 2], 3)
 
+    def pipelined(step) -> dict:
+        """Steps queued one ahead, as a pipelined decode runs them (see the docstring)."""
+        tok, prev, rec = mx.array([[5]] * n, dtype=mx.int32), None, []
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            logits, state = step(tok)
+            ids = mx.argmax(logits, axis=-1)
+            t1 = time.perf_counter()
+            mx.async_eval([logits, ids] + state)
+            t2 = time.perf_counter()
+            if prev is not None:
+                prev.tolist()  # the host reads the step before (a sampler's token)
+            t3 = time.perf_counter()
+            prev, tok = ids, ids[:, None]
+            if i >= warmup:
+                rec.append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
+        mx.eval(prev)
+        med = [sorted(x[k] for x in rec)[len(rec) // 2] * 1000 for k in range(4)]
+        return dict(zip(("build_ms", "submit_ms", "wait_ms", "step_ms"), (round(v, 3) for v in med)))
+
     points = []
     for n in rows:
         tok = mx.array([[5]] * n, dtype=mx.int32)
@@ -71,11 +98,22 @@ def run(model: str | None = None, rows: tuple[int, ...] = (1, 8), context: int =
             out = m(tok, cache=bkv)[:, -1]
             mx.eval([out] + [c.state for c in bkv])
 
-        point = {"rows": n, "shared_ms": timed(shared_step)}
+        def shared_pipelined(tok):
+            assert shared.take(stand)
+            out = m(tok, cache=shared.step(stand))[:, -1].astype(mx.float32)
+            shared.advance(stand)
+            return out, shared.k + shared.v
+
+        def mlx_lm_pipelined(tok):
+            out = m(tok, cache=bkv)[:, -1].astype(mx.float32)
+            return out, [x for c in bkv for x in c.state if isinstance(x, mx.array)]
+
+        point = {"rows": n, "shared_ms": timed(shared_step), "shared_pipelined": pipelined(shared_pipelined)}
         for s in stand:
             shared.leave(s, s.cache)  # per-session steps on from the KV handed back
         point["per_session_ms"] = timed(per_session_step)
         point["mlx_lm_ms"] = timed(mlx_lm_step)
+        point["mlx_lm_pipelined"] = pipelined(mlx_lm_pipelined)
         point["shared_over_mlx_lm"] = round(point["shared_ms"] / point["mlx_lm_ms"], 3)
         point["per_session_over_mlx_lm"] = round(point["per_session_ms"] / point["mlx_lm_ms"], 3)
         progress(f"{n} rows: shared {point['shared_ms']} ms, per-session {point['per_session_ms']} ms, "

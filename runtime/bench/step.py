@@ -47,7 +47,7 @@ def run(model: str | None = None, rows: tuple[int, ...] = (1, 8), context: int =
                 times.append((time.perf_counter() - t) * 1000)
         return round(sorted(times)[len(times) // 2], 3)
 
-    def pipelined(step) -> dict:
+    def pipelined(step, n: int) -> dict:
         """Steps queued one ahead, as a pipelined decode runs them (see the docstring)."""
         tok, prev, rec = mx.array([[5]] * n, dtype=mx.int32), None, []
         for i in range(warmup + steps):
@@ -108,12 +108,12 @@ def run(model: str | None = None, rows: tuple[int, ...] = (1, 8), context: int =
             out = m(tok, cache=bkv)[:, -1].astype(mx.float32)
             return out, [x for c in bkv for x in c.state if isinstance(x, mx.array)]
 
-        point = {"rows": n, "shared_ms": timed(shared_step), "shared_pipelined": pipelined(shared_pipelined)}
+        point = {"rows": n, "shared_ms": timed(shared_step), "shared_pipelined": pipelined(shared_pipelined, n)}
         for s in stand:
             shared.leave(s, s.cache)  # per-session steps on from the KV handed back
         point["per_session_ms"] = timed(per_session_step)
         point["mlx_lm_ms"] = timed(mlx_lm_step)
-        point["mlx_lm_pipelined"] = pipelined(mlx_lm_pipelined)
+        point["mlx_lm_pipelined"] = pipelined(mlx_lm_pipelined, n)
         point["shared_over_mlx_lm"] = round(point["shared_ms"] / point["mlx_lm_ms"], 3)
         point["per_session_over_mlx_lm"] = round(point["per_session_ms"] / point["mlx_lm_ms"], 3)
         progress(f"{n} rows: shared {point['shared_ms']} ms, per-session {point['per_session_ms']} ms, "

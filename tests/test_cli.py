@@ -200,7 +200,7 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
     r = kvferry("bench", "serve", "--json", "--sessions", "1", "2", "--tokens", "4", "--long-prompt", "200",
                 "--http", "--ttft-samples", "2", "--batch-kv", "shared", "--guest-thread", "step",
                 "--prefill-thread", "on", "--speculate", "on", "--prefix-cache-mb", "32", "--stream-interval", "2",
-                "--max-batch", "2", timeout=900)
+                "--max-batch", "2", "--trace-steps", timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["batch_kv"] == "shared" and out["consistency"]["kv"] == "shared"  # the GPU layout, served here
@@ -209,13 +209,16 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
     assert out["speculate"] == "on"  # and its greedy guesses, queued before each step is waited for
     assert out["prefix_cache_mb"] == 32
     assert out["stream_interval"] == 2  # two tokens a message after the first: each still counted once below
-    assert out["max_batch"] == 2
+    assert out["max_batch"] == 2 and out["trace_steps"] is True
     assert [p["sessions"] for p in out["points"]] == [1, 2]
     for p in out["points"]:
         for key in ("sessions", "aggregate_tps", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
                     "turn_tpot_ms_p50", "turn_tpot_ms_p99", "mlx_lm_tps"):
             assert key in p and p[key] is not None
         assert p["tokens"] == 4 * p["sessions"]
+        st = p["steps"]  # --trace-steps: the served host's own steps of this point
+        assert st["full_steps"] >= 1 and st["rows_p50"] >= p["sessions"] * 3 / 4, st
+        assert st["period_ms_p50"] > 0 and st["forward_ms_p50"] > 0 and 0 <= st["guessed_share"] <= 1, st
     assert out["long_prompt"]["prompt_tokens"] > 150 and "tpot_ms_p99_during" in out["long_prompt"]
     c = out["consistency"]
     assert c["prompts"] == 2 and 0 <= c["greedy_equal_solo"] <= 1 and 0 <= c["teacher_forced_top1"] <= 1

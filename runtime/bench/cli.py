@@ -186,7 +186,7 @@ def cmd_bench_serve(a) -> int:
     r = run(a.model, tuple(a.sessions), a.tokens, a.long_prompt, progress=(lambda m: print(m, file=sys.stderr)),
             http=a.http, ttft_samples=a.ttft_samples, batch_kv=a.batch_kv, guest_thread=a.guest_thread,
             prefix_cache_mb=a.prefix_cache_mb, prefill_thread=a.prefill_thread, speculate=a.speculate,
-            stream_interval=a.stream_interval, max_batch=a.max_batch)
+            stream_interval=a.stream_interval, max_batch=a.max_batch, trace_steps=a.trace_steps)
     if a.plot:
         plot(r, a.plot)
     if a.json:
@@ -197,6 +197,11 @@ def cmd_bench_serve(a) -> int:
         for p in r["points"]:
             print(f"{p['sessions']:>8} {p['aggregate_tps']:>10} {p['mlx_lm_tps']:>8} {p['ttft_ms_p50']:>9} "
                   f"{p['ttft_ms_p99']:>9} {p['tpot_ms_p50']:>9} {p['tpot_ms_p99']:>9}")
+        for p in r["points"]:
+            if (st := p.get("steps")) and st["full_steps"]:
+                print(f"{p['sessions']:>8} session{'s' if p['sessions'] > 1 else ''}: a full step every {st['period_ms_p50']} ms (forward pass "
+                      f"{st['forward_ms_p50']}, guests {st['guests_ms_p50']}, between steps {st['between_ms_p50']}; "
+                      f"{st['full_steps']} steps, {st['guessed_share']:.1%} of rows took their guess)")
         if (lp := r["long_prompt"]) is not None:
             print(f"TPOT p99 while a {lp['prompt_tokens']}-token prompt is prefilled: {lp['tpot_ms_p99_during']} ms "
                   f"({lp['ratio_p99_during_over_p50_without']}x the p50 without it)")
@@ -324,6 +329,9 @@ def register(sub, add: Callable) -> None:
                     help="the served host's serve --stream-interval (default 1: a message a token)")
     bs.add_argument("--max-batch", type=int, metavar="N",
                     help="the served host's serve --max-batch (default: serve's, 32 on a CPU, 128 on a GPU)")
+    bs.add_argument("--trace-steps", action="store_true",
+                    help="the served host writes its step trace; each point gets 'steps': a full step's "
+                         "period, forward pass, guests and time between steps (p50)")
     bs.add_argument("--tokens", type=int, default=64, help="tokens per turn (default 64)")
     bs.add_argument("--long-prompt", type=int, default=2000,
                     help="the long prompt's tokens (default 2000; 0: no long-prompt point)")

@@ -20,11 +20,12 @@ class LoopbackHost:
     """``kvferry serve --port PORT *args`` with ``token`` as its admin key; ready once
     it prints its address. ``stop()`` drains it (SIGTERM), then kills what is left."""
 
-    def __init__(self, token: str, *args: str, port: int = 0):
+    def __init__(self, token: str, *args: str, port: int = 0, env: dict | None = None):
         self.port = port or free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--port", str(self.port), *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "KVFERRY_TOKEN": token}, start_new_session=True)
+                                     env={**os.environ, **(env or {}), "KVFERRY_TOKEN": token},
+                                     start_new_session=True)
         self.address = f"127.0.0.1:{self.port}"
         self.http = None  # http://HOST:PORT/v1 with --http-port
         seen: list[str] = []

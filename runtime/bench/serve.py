@@ -8,11 +8,23 @@ percentiles over all clients, and ``mlx_lm_tps``: BatchGenerator generating the
 same prompts' replies in this process, measured in the same run. Then, with
 ``long_with`` sessions decoding, one more client sends a ``long_prompt``-token
 prompt: the decoders' TPOT p99 during it, against their p50 without it.
+
+With ``trace_steps`` the served host writes its step trace
+(``KVFERRY_STEP_TRACE``, docs/performance.md) and each point gets ``steps``: over
+that point's full decode steps (at least 3/4 of its sessions, no prompt chunk),
+medians of the time from one step to the next and of its parts: the forward
+pass, the guests, and what is left between steps (the sessions coming back).
 """
 
 from __future__ import annotations
 
+import glob
+import json
+import os
 import secrets
+import shutil
+import statistics
+import tempfile
 import threading
 import time
 
@@ -82,6 +94,50 @@ def _point(turns: list[dict]) -> dict:
             "turn_tpot_ms_p50": round(_pct(per_turn, 50), 2), "turn_tpot_ms_p99": round(_pct(per_turn, 99), 2)}
 
 
+class StepTrace:
+    """The served host's step trace, read one point at a time (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="kvferry-steps-")
+        self.read: dict[str, int] = {}  # file -> bytes already taken by earlier points
+
+    def _new_lines(self) -> list[list[dict]]:
+        """Each trace file's lines written since the last call (a host process's own steps)."""
+        out = []
+        for f in sorted(glob.glob(os.path.join(self.folder, "steps-*.jsonl"))):
+            with open(f, "rb") as fh:
+                fh.seek(self.read.get(f, 0))
+                data = fh.read()
+            done = data.rfind(b"\n") + 1  # a line still being written waits for the next point
+            self.read[f] = self.read.get(f, 0) + done
+            lines = []
+            for line in data[:done].splitlines():
+                try:
+                    lines.append(json.loads(line))
+                except ValueError:
+                    continue
+            out.append(lines)
+        return out
+
+    def point(self, sessions: int) -> dict:
+        """The steps since the last call, summarised for a point of ``sessions``."""
+        full = []
+        for a, b in ((a, b) for lines in self._new_lines() for a, b in zip(lines, lines[1:])):
+            if len(a["rows"]) * 4 >= sessions * 3 and not a["prompts"]:
+                period = (b["t"] - a["t"]) * 1000
+                full.append((period, a["forward_ms"], a["guests_ms"], period - a["forward_ms"] - a["guests_ms"],
+                             len(a["rows"]), a.get("guessed", 0)))
+        if not full:
+            return {"full_steps": 0}
+        med = [round(statistics.median(x[k] for x in full), 2) for k in range(5)]
+        return {"full_steps": len(full), "period_ms_p50": med[0], "forward_ms_p50": med[1],
+                "guests_ms_p50": med[2], "between_ms_p50": med[3], "rows_p50": med[4],
+                "guessed_share": round(sum(x[5] for x in full) / sum(x[4] for x in full), 3)}
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 def mlx_lm_tps(lm, prompts: list[str], tokens: int) -> float:
     """mlx-lm's BatchGenerator: the same chat prompts, ``tokens`` each, EOS ignored."""
     import mlx.core as mx
@@ -143,16 +199,18 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
         long_prompt: int = 2000, long_with: int = 4, progress=print, http: bool = False,
         ttft_samples: int = 20, batch_kv: str = "auto", guest_thread: str = "auto",
         prefix_cache_mb: float | None = None, prefill_thread: str = "auto", speculate: str = "auto",
-        stream_interval: int = 1, max_batch: int | None = None) -> dict:
+        stream_interval: int = 1, max_batch: int | None = None, trace_steps: bool = False) -> dict:
     from ..collector import freeze
     from ..models import load
 
     token = secrets.token_urlsafe(16)
+    trace = StepTrace() if trace_steps else None
     srv = LoopbackHost(token, *(["--model", model] if model else []), *(["--http-port", "0"] if http else []),
                        "--batch-kv", batch_kv, "--guest-thread", guest_thread, "--prefill-thread", prefill_thread,
                        "--speculate", speculate, "--stream-interval", str(stream_interval),
                        *(["--prefix-cache-mb", f"{prefix_cache_mb:g}"] if prefix_cache_mb is not None else []),
-                       *(["--max-batch", str(max_batch)] if max_batch is not None else []))
+                       *(["--max-batch", str(max_batch)] if max_batch is not None else []),
+                       env={"KVFERRY_STEP_TRACE": trace.folder} if trace else None)
     points = []
     http_vs_grpc = None
     try:
@@ -162,14 +220,20 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
             progress(f"HTTP against gRPC: TTFT (median of {ttft_samples}) and {max(sessions)} concurrent streams")
             http_vs_grpc = compare(srv.address, srv.http, token, ttft_samples, max(sessions), tokens)
         _turns(srv.address, token, [_prompt(0)], 8)  # warm-up
+        if trace:
+            trace.point(1)  # (the warm-up's steps are no point's)
         freeze()  # this client's own full collections (50-70 ms here) would read as the host's slow tokens
         for n in sessions:
             progress(f"kvferry serve: {n} concurrent sessions x {tokens} tokens")
             points.append(_point(_turns(srv.address, token, [_prompt(i) for i in range(n)], tokens)))
+            if trace:
+                points[-1]["steps"] = trace.point(n)
             progress(f"  {points[-1]}")  # as it goes: a run cut short still reports what it measured
         long = _long_prompt(srv, token, tokens, long_prompt, long_with, progress) if long_prompt else None
     finally:
         srv.stop()
+        if trace:
+            trace.close()
     progress("mlx-lm BatchGenerator, same prompts and lengths")
     lm = load(model, progress=False)
     for p in points:
@@ -189,7 +253,7 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
     return {"model": lm.name, "tokens_per_turn": tokens, "points": points, "long_prompt": long,
             "consistency": agree, "batching": True, "batch_kv": batch_kv,
             "guest_thread": guest_thread, "prefill_thread": prefill_thread, "speculate": speculate,
-            "stream_interval": stream_interval, "max_batch": max_batch,
+            "stream_interval": stream_interval, "max_batch": max_batch, "trace_steps": trace_steps,
             "device": current().as_dict(),
             "prefix_cache_mb": HostPolicy.prefix_cache_bytes / 1e6 if prefix_cache_mb is None else prefix_cache_mb,
             **({"http_vs_grpc": http_vs_grpc} if http else {})}

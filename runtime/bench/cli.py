@@ -199,8 +199,9 @@ def cmd_bench_serve(a) -> int:
                   f"{p['ttft_ms_p99']:>9} {p['tpot_ms_p50']:>9} {p['tpot_ms_p99']:>9}")
         for p in r["points"]:
             if (st := p.get("steps")) and st["full_steps"]:
-                print(f"{p['sessions']:>8} session{'s' if p['sessions'] > 1 else ''}: a full step every {st['period_ms_p50']} ms (forward pass "
-                      f"{st['forward_ms_p50']}, guests {st['guests_ms_p50']}, between steps {st['between_ms_p50']}; "
+                print(f"{p['sessions']:>8} session{'s' if p['sessions'] > 1 else ''}: a full step every "
+                      f"{st['period_ms_p50']} ms (forward pass {st['forward_ms_p50']}, guests {st['guests_ms_p50']}, "
+                      f"between steps {st['between_ms_p50']}; "
                       f"{st['full_steps']} steps, {st['guessed_share']:.1%} of rows took their guess)")
         if (lp := r["long_prompt"]) is not None:
             print(f"TPOT p99 while a {lp['prompt_tokens']}-token prompt is prefilled: {lp['tpot_ms_p99_during']} ms "

@@ -205,15 +205,16 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
 
     token = secrets.token_urlsafe(16)
     trace = StepTrace() if trace_steps else None
-    srv = LoopbackHost(token, *(["--model", model] if model else []), *(["--http-port", "0"] if http else []),
-                       "--batch-kv", batch_kv, "--guest-thread", guest_thread, "--prefill-thread", prefill_thread,
-                       "--speculate", speculate, "--stream-interval", str(stream_interval),
-                       *(["--prefix-cache-mb", f"{prefix_cache_mb:g}"] if prefix_cache_mb is not None else []),
-                       *(["--max-batch", str(max_batch)] if max_batch is not None else []),
-                       env={"KVFERRY_STEP_TRACE": trace.folder} if trace else None)
+    srv = None
     points = []
     http_vs_grpc = None
     try:
+        srv = LoopbackHost(token, *(["--model", model] if model else []), *(["--http-port", "0"] if http else []),
+                           "--batch-kv", batch_kv, "--guest-thread", guest_thread, "--prefill-thread", prefill_thread,
+                           "--speculate", speculate, "--stream-interval", str(stream_interval),
+                           *(["--prefix-cache-mb", f"{prefix_cache_mb:g}"] if prefix_cache_mb is not None else []),
+                           *(["--max-batch", str(max_batch)] if max_batch is not None else []),
+                           env={"KVFERRY_STEP_TRACE": trace.folder} if trace else None)
         if http:
             from .http import compare
 
@@ -231,8 +232,9 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
             progress(f"  {points[-1]}")  # as it goes: a run cut short still reports what it measured
         long = _long_prompt(srv, token, tokens, long_prompt, long_with, progress) if long_prompt else None
     finally:
-        srv.stop()
-        if trace:
+        if srv is not None:
+            srv.stop()
+        if trace:  # (also when the host did not start)
             trace.close()
     progress("mlx-lm BatchGenerator, same prompts and lengths")
     lm = load(model, progress=False)

@@ -235,6 +235,9 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
     assert bad.returncode != 0 and bad.stderr.strip() == "kvferry: --max-batch must be at least 1, not 0"
     bad = kvferry("bench", "serve", "--stream-interval", "0", timeout=120)
     assert bad.returncode != 0 and bad.stderr.strip() == "kvferry: --stream-interval must be at least 1, not 0"
+    bad = kvferry("bench", "serve", "--model", "nope", "--sessions", "1", "--long-prompt", "0", timeout=300)
+    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr  # the host's refusal
+    assert bad.stderr.startswith("kvferry: the served host did not start: ") and "unknown model 'nope'" in bad.stderr
 
 
 def test_bench_step_runs_and_reports_every_key(smollm_dir):

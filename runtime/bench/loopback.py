@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 
+from ..errors import KvferryError
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -36,7 +38,8 @@ class LoopbackHost:
                 break
             seen = (seen + [line.rstrip()])[-3:]
         else:
-            raise RuntimeError("kvferry serve did not start: " + (" | ".join(seen) or "no output"))
+            # the host's own one-line refusal (a wrong model, a bad flag), not a traceback of the bench's
+            raise KvferryError("the served host did not start: " + (" | ".join(seen) or "no output"))
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
 
     def stop(self) -> None:

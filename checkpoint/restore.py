@@ -386,12 +386,10 @@ class Restorer:
             if not (isinstance(toks, list) and isinstance(texts, list) and len(toks) == len(texts)
                     and all(isinstance(t, int) and 0 <= t < vocab for t in toks)
                     and all(isinstance(t, str) for t in texts)
-                    and isinstance(turn.get("max_tokens", 0), int) and turn.get("max_tokens", 0) >= 0
-                    and turn.get("stop") in (None, -1, -2, -3)):  # a stop code not yet told (STOP_CODES)
+                    and isinstance(turn.get("max_tokens", 0), int) and turn.get("max_tokens", 0) >= 0):
                 raise CheckpointError("state frame: malformed turn in progress")
             turn = {"n_prompt": int(turn.get("n_prompt", 0)), "record": bool(turn.get("record", True)),
-                    "tokens": toks, "texts": texts, "max_tokens": turn.get("max_tokens", 0),
-                    "stop": turn.get("stop")}
+                    "tokens": toks, "texts": texts, "max_tokens": turn.get("max_tokens", 0)}
         sampling = st.get("sampling", {})
         if not isinstance(sampling, dict):
             raise CheckpointError("state frame: malformed sampling")

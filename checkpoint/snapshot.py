@@ -320,7 +320,6 @@ def _plain(d: dict) -> dict:
 
 def snapshot(session: Any, mode: str = "lossless") -> Iterator[bytes]:
     """The whole checkpoint of a session (between steps), as a stream of byte chunks."""
-    session.settle()  # a step its turn queued before handing its last token on: into the turn first
     sn = Snapshotter(session, mode)
     yield sn.header()
     yield from sn.finish()
@@ -330,7 +329,6 @@ def save(session: Any, path: str | os.PathLike, mode: str = "lossless") -> dict:
     """Write a checkpoint file atomically; returns sizes."""
     import tempfile
 
-    session.settle()  # (as snapshot)
     sn = Snapshotter(session, mode)
     # a new file of our own next to the target (O_EXCL, mode 0600): never a path someone
     # else placed there, such as a symlink; then an atomic rename over the target

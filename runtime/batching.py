@@ -178,24 +178,11 @@ class StepScheduler(Speculation, StepForward):
         itself: one thread switch a token instead of several, and no guest waits for
         the GIL to read its logits. A prompt step, or a cache that cannot take a
         token back, runs the guest on the session's thread as before."""
-        req = self.start_step(session, last)
-        return session.guest_step() if req is None else self.finish_step(req)
-
-    def start_step(self, session: Any, last: int | None) -> "_Request | None":
-        """Queue ``session``'s next driven step now and return at once (None where
-        its guest must run on its own thread: :meth:`guest_step`). A streamed turn
-        queues it before handing ``last`` on, so the token's trip out to its client
-        runs beside the step instead of holding it back (kvferry.session)."""
         if not (self.drive and last is not None and last >= 0 and not session._prompt_left
                 and session.plain_kv()):
-            return None
+            return session.guest_step()
         req = _Request(session, [last], driven=True)
         self._enqueue(req)
-        return req
-
-    @staticmethod
-    def finish_step(req: "_Request") -> int:
-        """The token (or stop code) of a step :meth:`start_step` queued, once it ran."""
         req.done.wait()
         if req.error is not None:
             raise req.error

@@ -62,7 +62,6 @@ class TurnState:
     texts: list[str]  # the text streamed with each token
     stream: "TextStream"
     max_tokens: int = 0  # this turn's limit (0: the session's)
-    stop: int | None = None  # a stop code its guest returned that no client has been told yet
 
 
 @dataclass
@@ -138,7 +137,6 @@ class Session:
         self._prefill_budget = self._decode_budget = 0
         self._prompt_left = 0
         self._ahead: tuple[int, Any, Any] | None = None  # a decode the host ran ahead (guest_step)
-        self._next: Any = None  # the turn's next step, queued before its last token was handed on (_generate)
         self.last_used = time.monotonic()  # idle expiry (serve --session-ttl)
         self.owner = ""  # the name of the key that created it (kvferry.keys)
         self.closed = False
@@ -325,13 +323,13 @@ class Session:
         return self._steps(replay_from=from_index)
 
     def restore_turn(self, n_prompt: int, record: bool, tokens: list[int], texts: list[str],
-                     max_tokens: int = 0, stop: int | None = None) -> None:
+                     max_tokens: int = 0) -> None:
         stream = TextStream(self.lm.tokenizer, self.sampling.stop)
         for t in tokens:
             stream.det.add_token(t)
         stream.emitted = sum(len(x) for x in texts)
         self.turn = TurnState(n_prompt=n_prompt, record=record, tokens=list(tokens), texts=list(texts),
-                              stream=stream, max_tokens=max_tokens, stop=stop)
+                              stream=stream, max_tokens=max_tokens)
         self._prompt_left = 0 if tokens else n_prompt
 
     def _steps(self, replay_from: int | None = None) -> Iterator[TokenEvent]:
@@ -346,10 +344,6 @@ class Session:
         try:
             yield from self._generate(turn, replay_from)
         finally:  # ended, failed, paused for a migration or dropped by its client: the place is free
-            try:
-                self.settle()
-            except Exception as e:  # noqa: BLE001 - nobody reads this turn now; the next call hears of it
-                log.warning("session %s: its last queued step failed: %s", self.id, e)
             self.host.steps.leave(self)
             admission.leave(self)
 
@@ -392,36 +386,6 @@ class Session:
                 self.history.pop()
                 self.kv_epoch += 1  # the token's K/V may have been sent already
 
-    def _accept(self, turn: TurnState, tok: int) -> str:
-        """A token the guest chose goes into the turn; returns its text."""
-        if tok >= self.vocab_size:
-            self.guest.dead = f"emitted token id {tok}"
-            raise SessionError(f"guest '{self.guest.name}' emitted token id {tok}, outside "
-                               f"the vocabulary (0..{self.vocab_size - 1})")
-        self.host.metrics.generated_tokens.inc()
-        text = turn.stream.add(tok)
-        turn.tokens.append(tok)
-        turn.texts.append(text)
-        return text
-
-    def settle(self) -> None:
-        """Bring the turn to a step boundary: the step queued before its last token was
-        handed on (if any) has run, and what its guest returned is in the turn (a token,
-        or a stop code for the next client). A pause and a stream's end call this, so
-        a checkpoint, a migration or ``continue_turn`` sees the whole turn."""
-        req, self._next = self._next, None
-        if req is None:
-            return
-        tok = self.host.steps.finish_step(req)
-        if self.turn is None:
-            return
-        if tok < 0:
-            if tok not in STOP_CODES:
-                raise SessionError(f"guest '{self.guest.name}' returned unknown code {tok}")
-            self.turn.stop = tok
-        else:
-            self._accept(self.turn, tok)
-
     def _generate(self, turn: TurnState, replay_from: int | None) -> Iterator[TokenEvent]:
         metrics = self.host.metrics
         t_last = 0.0
@@ -431,52 +395,46 @@ class Session:
         finish = None
         stopped_by_string = False
         n_new = 0
-        limit = min(turn.max_tokens or self.sampling.max_tokens, self.sampling.max_tokens)
-        i = len(turn.tokens)  # the index of the next token handed on
         while True:
+            i = len(turn.tokens)
+            if i >= min(turn.max_tokens or self.sampling.max_tokens, self.sampling.max_tokens):
+                finish = "length"  # the host's hard limit, whatever the guest does
+                break
+            if len(self.history) + 1 >= self.context and self.options.ctx is None:
+                finish = "length"
+                break
             t_step = time.perf_counter()
-            if i < len(turn.tokens):  # a queued step settled into the turn (a pause): hand it on now
-                tok, text = turn.tokens[i], turn.texts[i]
-            else:
-                if turn.stop is not None:  # a queued step's stop code, settled before it was handed on
-                    tok, turn.stop = turn.stop, None
-                elif self._next is not None:
-                    req, self._next = self._next, None
-                    tok = self.host.steps.finish_step(req)
-                else:
-                    if i >= limit or (len(self.history) + 1 >= self.context and self.options.ctx is None):
-                        finish = "length"  # the host's hard limit, whatever the guest does
-                        break
-                    # a decode step runs the guest on the host's step thread where it can (kvferry.batching)
-                    tok = self.host.steps.guest_step(self, turn.tokens[-1] if n_new else None)
-                if tok < 0:
-                    if tok not in STOP_CODES:
-                        raise SessionError(f"guest '{self.guest.name}' returned unknown code {tok}")
-                    finish = STOP_CODES[tok]
-                    stopped_by_string = tok == -2
-                    break
-                text = self._accept(turn, tok)
+            # a decode step runs the guest on the host's step thread where it can (kvferry.batching)
+            tok = self.host.steps.guest_step(self, turn.tokens[-1] if n_new else None)
             self.last_used = time.monotonic()
-            now = time.perf_counter()
             if n_new:  # the first step of a turn includes its prefill
-                dt = now - t_step
+                dt = time.perf_counter() - t_step
                 self.step_seconds = 0.8 * self.step_seconds + 0.2 * dt if self.step_seconds else dt
+            if tok < 0:
+                if tok not in STOP_CODES:
+                    raise SessionError(f"guest '{self.guest.name}' returned unknown code {tok}")
+                finish = STOP_CODES[tok]
+                stopped_by_string = tok == -2
+                break
+            if tok >= self.vocab_size:
+                self.guest.dead = f"emitted token id {tok}"
+                raise SessionError(f"guest '{self.guest.name}' emitted token id {tok}, outside "
+                                   f"the vocabulary (0..{self.vocab_size - 1})")
+            now = time.perf_counter()
+            metrics.generated_tokens.inc()
+            if t_first is not None:
                 metrics.tpot.observe(now - t_last)
-            else:
-                if replay_from is None:
-                    metrics.ttft.observe(now - t0)
+            elif replay_from is None:
+                metrics.ttft.observe(now - t0)
+            t_last = now
+            if t_first is None:
                 t_first = now
                 stats.prompt_tps = turn.n_prompt / max(now - t0, 1e-9) if replay_from is None else 0.0
-            t_last = now
+            text = turn.stream.add(tok)
+            turn.tokens.append(tok)
+            turn.texts.append(text)
             n_new += 1
-            # The next step is queued before this token is handed on: the token's trip
-            # out to the client (a gRPC write waits for its completion) runs beside the
-            # step, not between two steps. settle() folds it in if the stream stops here.
-            if (self._next is None and i + 1 >= len(turn.tokens) and i + 1 < limit
-                    and (len(self.history) + 1 < self.context or self.options.ctx is not None)):
-                self._next = self.host.steps.start_step(self, tok)
             yield TokenEvent(tok, text, i)
-            i += 1
         t_end = time.perf_counter()
         tail = turn.stream.finish(stopped_by_string)
         stats.finish_reason = finish
@@ -497,8 +455,7 @@ class Session:
         """This session between two steps (``memory``: with a copy of the guest's)."""
         t = self.turn
         turn = None if t is None else {"n_prompt": t.n_prompt, "record": t.record, "tokens": list(t.tokens),
-                                       "texts": list(t.texts), "max_tokens": t.max_tokens,
-                                       **({} if t.stop is None else {"stop": t.stop})}
+                                       "texts": list(t.texts), "max_tokens": t.max_tokens}
         return SessionState(self.id, self.sampling, self.options, self.context, list(self.cache),
                             list(self.history), list(self.messages), turn, self.guest.module,
                             self.guest.memory_image() if memory else None, self.kv_epoch, self.owner)
@@ -550,7 +507,7 @@ class Session:
         self.host.steps.leave(self)  # a closed session holds no place in the batch, even with
         self.host.admission.leave(self)  # its turn's generator still suspended somewhere
         if not self.closed:
-            self.closed = True  # first: a step queued for it fails as closed, not on an empty cache
             self.guest.model = None
             self.guest.close()
             self.cache = []
+            self.closed = True

@@ -161,7 +161,6 @@ class TurnDriver:
                                 if ev.finish_reason else None)
             p = slot.pause_req
             if p is not None and ev.finish_reason is None:  # a step boundary: hold still
-                s.settle()  # the step queued beside this chunk's send, into the turn
                 p.paused.set()
                 p.resume.wait()
                 if p.committed:

@@ -416,49 +416,6 @@ def test_a_checkpoint_with_a_guess_in_flight_continues_identically(speculating, 
     speculating.close_session(y.id)
 
 
-def test_a_turn_queues_its_next_step_before_handing_a_token_on(speculating, solo):
-    """With the guests on the step thread, a turn queues its next step before it hands
-    a token on, so the token's trip out to its client runs beside that step. A reader
-    that stops there leaves the turn whole: the queued token is in it, and the turn
-    continues from it to the solo reply."""
-    x = speculating.create_session(sampling=greedy(16))
-    it = x.send(PROMPTS[2])
-    head = [next(it).token for _ in range(4)]
-    assert x._next is not None  # the fifth token's step is queued
-    it.close()  # the reader went away
-    assert x._next is None and x.turn.tokens[:4] == head and len(x.turn.tokens) == 5
-    rest = [e.token for e in x.continue_turn(from_index=4) if e.token >= 0]
-    assert head + rest == solo[PROMPTS[2]]
-    speculating.close_session(x.id)
-
-
-def test_a_stop_code_queued_when_the_reader_left_ends_the_turn_after_a_restore(speculating, solo):
-    """The queued step's guest may say stop: that code waits in the turn (and in its
-    checkpoint) for the next reader, who gets the end of the reply and nothing more."""
-    from kvferry.checkpoint import restore, snapshot
-
-    text = speculating.lm.tokenizer.decode(solo[PROMPTS[0]])
-    word = text.split()[3]
-    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=16, stop=(word,))
-    ref = speculating.create_session(sampling=sp)
-    events = list(ref.send(PROMPTS[0]))
-    speculating.close_session(ref.id)
-    tokens, end = [e.token for e in events if e.token >= 0], events[-1]
-    assert end.finish_reason == "stop" and len(tokens) < 16
-    x = speculating.create_session(sampling=sp)
-    it = x.send(PROMPTS[0])
-    assert [next(it).token for _ in tokens] == tokens
-    it.close()
-    assert x.turn.stop == -2 and x.turn.tokens == tokens  # stopped by the string
-    data = b"".join(snapshot.snapshot(x))
-    speculating.close_session(x.id)
-    y = restore.restore(speculating, [data])
-    rest = list(y.continue_turn(from_index=len(tokens)))
-    assert [(e.token, e.finish_reason) for e in rest] == [(-1, "stop")]
-    assert y.turn is None and y.last.text == ref.last.text
-    speculating.close_session(y.id)
-
-
 def test_sampling_sessions_are_not_speculated(speculating):
     sp = SamplingParams(temperature=0.8, top_k=40, seed=7, ignore_eos=True, max_tokens=12)
     before = speculating.steps.stats["speculated"]

@@ -218,6 +218,7 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
         assert p["tokens"] == 4 * p["sessions"]
         st = p["steps"]  # --trace-steps: the served host's own steps of this point
         assert st["full_steps"] >= 1 and st["rows_p50"] >= p["sessions"] * 3 / 4, st
+        assert st["full_steps"] <= 4 - 1, st  # its own decode steps only, not its warm-up's at the same shape
         assert st["period_ms_p50"] > 0 and st["forward_ms_p50"] > 0 and 0 <= st["guessed_share"] <= 1, st
     assert out["long_prompt"]["prompt_tokens"] > 150 and "tpot_ms_p99_during" in out["long_prompt"]
     c = out["consistency"]

@@ -43,6 +43,9 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
+WARM, WARM_TOKENS = 10_000, 4  # a point's warm-up: its prompts' first index, and tokens a turn
+
+
 def _prompt(i: int) -> str:
     return f"Tell me a long story about {TOPICS[i % len(TOPICS)]} number {i}."
 
@@ -226,6 +229,12 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
         freeze()  # this client's own full collections (50-70 ms here) would read as the host's slow tokens
         for n in sessions:
             progress(f"kvferry serve: {n} concurrent sessions x {tokens} tokens")
+            # warm-up at this batch's shape, as mlx-lm's column gets one (mlx_lm_tps): a GPU
+            # compiles the kernels for n rows here, not in the timed turns. Prompts of their
+            # own, so the timed ones do not start from a prefix the warm-up left cached.
+            _turns(srv.address, token, [_prompt(WARM + i) for i in range(n)], WARM_TOKENS)
+            if trace:
+                trace.point(n)  # (the warm-up's steps are no point's)
             points.append(_point(_turns(srv.address, token, [_prompt(i) for i in range(n)], tokens)))
             if trace:
                 points[-1]["steps"] = trace.point(n)

@@ -223,9 +223,6 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
 
             progress(f"HTTP against gRPC: TTFT (median of {ttft_samples}) and {max(sessions)} concurrent streams")
             http_vs_grpc = compare(srv.address, srv.http, token, ttft_samples, max(sessions), tokens)
-        _turns(srv.address, token, [_prompt(0)], 8)  # warm-up
-        if trace:
-            trace.point(1)  # (the warm-up's steps are no point's)
         freeze()  # this client's own full collections (50-70 ms here) would read as the host's slow tokens
         for n in sessions:
             progress(f"kvferry serve: {n} concurrent sessions x {tokens} tokens")

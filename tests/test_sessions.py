@@ -349,3 +349,19 @@ def test_host_read_bench_runs(smollm_dir):
     rows = json.loads(r.stdout)["rows"]
     assert [x["variant"] for x in rows] == ["bare", "read", "top1"]
     assert all(x["model"] == "SmolLM2-135M-Instruct" and x["ms_per_token_p50"] > 0 for x in rows)
+
+
+def test_cpu_softmax_bench_runs(smollm_dir):
+    """bench/cpu_softmax.py (MLX's exp against a polynomial one in a long prefill): its
+    fast exp stays within float32 noise of MLX's, and both attentions agree on the model."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "cpu_softmax.py"
+    r = subprocess.run([sys.executable, str(script), "--context", "200", "--chunk", "64", "--rounds", "1", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["parts"]["fast_exp_max_rel_err"] < 1e-4 and out["parts"]["elements"] == 3 * 3 * 64 * 2048
+    assert [x["attention"] for x in out["rows"]] == ["mx.fast", "fast_exp"]
+    assert all(x["prefill_s"] > 0 and x["decode_ms_p50"] > 0 for x in out["rows"])
+    assert out["agreement"]["last_argmax_equal"] and out["agreement"]["last_logits_max_abs_diff"] < 1e-2

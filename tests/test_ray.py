@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,13 +74,17 @@ print("OK", a)
 
 
 def test_ray_job_submit(ray_cluster):
-    job = subprocess.run(["ray", "job", "submit", "--address", ray_cluster["dashboard"],
-                          "--working-dir", str(ROOT / "deploy" / "jobs"), "--",
-                          "python", "batch_migrate.py", "--conversations", "4", "--migrate", "2",
-                          "--hosts-per-node", "1", "--base-port", str(free_port())],
-                         capture_output=True, text=True, env={**ray_cluster["env"], "RAY_AUTH_MODE": "token"},
-                         timeout=900)
-    out = job.stdout + job.stderr
+    for _ in range(10):  # a fresh head's job agent may not be up yet: Ray says to try again later
+        job = subprocess.run(["ray", "job", "submit", "--address", ray_cluster["dashboard"],
+                              "--working-dir", str(ROOT / "deploy" / "jobs"), "--",
+                              "python", "batch_migrate.py", "--conversations", "4", "--migrate", "2",
+                              "--hosts-per-node", "1", "--base-port", str(free_port())],
+                             capture_output=True, text=True, env={**ray_cluster["env"], "RAY_AUTH_MODE": "token"},
+                             timeout=900)
+        out = job.stdout + job.stderr
+        if "No available agent to submit job" not in out:
+            break
+        time.sleep(3)
     assert job.returncode == 0, out[-3000:]
     summary = [line for line in out.splitlines() if line.startswith("SUMMARY ")]
     assert summary, out[-3000:]

@@ -23,16 +23,18 @@ class LoopbackHost:
     it prints its address. ``stop()`` drains it (SIGTERM), then kills what is left."""
 
     def __init__(self, token: str, *args: str, port: int = 0, env: dict | None = None):
-        self.port = port or free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--port", str(self.port), *args],
+        # port 0: the host binds a free port itself and prints it (a port picked here could be
+        # taken by another process before the host binds it: a CI run lost a bench that way)
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvferry", "serve", "--port", str(port), *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {}), "KVFERRY_TOKEN": token},
                                      start_new_session=True)
-        self.address = f"127.0.0.1:{self.port}"
         self.http = None  # http://HOST:PORT/v1 with --http-port
         seen: list[str] = []
         for line in self.proc.stdout:
             if "kvferry serving on" in line:
+                self.address = line.split("kvferry serving on ")[1].split(" ")[0]
+                self.port = int(self.address.rsplit(":", 1)[1])
                 if "OpenAI API on " in line:
                     self.http = line.split("OpenAI API on ")[1].split(")")[0]
                 break

@@ -32,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..errors import KvferryError
 from .loopback import LoopbackHost, free_port
 
 FILLER = ("The lighthouse keeper wrote in his log every night: the weather, the ships, the birds, "
@@ -42,6 +43,25 @@ def _host(token: str, threads: int | None, cpus: str | None, port: int, peer_por
           model: str | None = None) -> LoopbackHost:
     return LoopbackHost(token, *(["--threads", str(threads)] if threads else []), *(["--model", model] if model else []),
                         *(["--cpus", cpus] if cpus else []), "--peers", f"127.0.0.1:{peer_port}", port=port)
+
+
+def _pair(token: str, threads: int | None, cpus: tuple[str, str] | None,
+          model: str | None) -> tuple[LoopbackHost, LoopbackHost]:
+    """Two hosts, each naming the other as its peer (migrations go to peers only), so
+    their ports are picked before they start; one taken meanwhile by another process
+    (an outgoing connection's ephemeral port) means two new ports."""
+    for attempt in range(3):
+        pa, pb = free_port(), free_port()
+        a = None
+        try:
+            a = _host(token, threads, cpus and cpus[0], pa, pb, model)
+            return a, _host(token, threads, cpus and cpus[1], pb, pa, model)
+        except KvferryError as e:
+            if a is not None:
+                a.stop()
+            if "Failed to bind" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _prompt(tokens: int, limit: int, model: str | None = None) -> str:
@@ -87,9 +107,7 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
     resolve(model, progress=False)  # an unknown model is one line, before any host starts
     token = secrets.token_urlsafe(16)
     cpus = split_cpus() if pin else None
-    pa, pb = free_port(), free_port()  # each names the other as its peer (migrations go to peers only)
-    a = _host(token, threads, cpus and cpus[0], pa, pb, model)
-    b = _host(token, threads, cpus and cpus[1], pb, pa, model)
+    a, b = _pair(token, threads, cpus, model)
     rows, transfers = [], []
     try:
         ca, cb = Client(a.address, token), Client(b.address, token)

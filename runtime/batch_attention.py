@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import sys
 
-from . import cpu_attention
-
 
 class RowMasks(tuple):
     """Per-row attention masks of a batch whose rows need one (sliding windows)."""
@@ -54,14 +52,6 @@ class RowCaches:
 
 
 _solo_sdpa = None
-_cpu_chunks = False  # prompt chunks through kvferry.cpu_attention (install: on a CPU)
-
-
-def _solo(queries, keys, values, cache, scale, mask, sinks=None):
-    """One session's attention: mlx-lm's, or on a CPU a prompt chunk's with a vectorized exp."""
-    if _cpu_chunks and cpu_attention.applies(queries, keys, cache, mask, sinks):
-        return cpu_attention.attention(queries, keys, values, scale, mask)
-    return _solo_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
 def _batched_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
@@ -70,12 +60,12 @@ def _batched_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     if hasattr(cache, "attention"):  # a layer of a shared-rows step (kvferry.resident.StepLayer)
         return cache.attention(queries, scale, sinks)
     if not isinstance(cache, RowCaches):
-        return _solo(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return _solo_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     outs = []
     qs = mx.split(queries, len(cache.rows), axis=0)
     for i, (c, q, (k, v)) in enumerate(zip(cache.rows, qs, cache.fetched)):
         m = mask[i] if isinstance(mask, RowMasks) else mask
-        outs.append(_solo(q, k, v, cache=c, scale=scale, mask=m, sinks=sinks))
+        outs.append(_solo_sdpa(q, k, v, cache=c, scale=scale, mask=m, sinks=sinks))
     return mx.concatenate(outs, axis=0)
 
 
@@ -120,7 +110,7 @@ def _packed_attention(attn, x, cache: PackedCaches):
         qs, ks = attn.rope(qs, offset=c.offset), attn.rope(ks, offset=c.offset)
         ks, vs = c.update_and_fetch(ks, vs)
         mask = c.make_mask(n, window_size=None, return_array=False) if n > 1 else None
-        outs.append(_solo(qs, ks, vs, cache=c, scale=attn.scale, mask=mask))
+        outs.append(_solo_sdpa(qs, ks, vs, cache=c, scale=attn.scale, mask=mask))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, t, -1))
 
@@ -150,12 +140,11 @@ def install(model) -> bool:
     """Let ``model`` run decode batches over RowCaches. False for an architecture
     whose attention does not call mlx-lm's ``scaled_dot_product_attention``: its
     sessions then step one at a time, correct but unbatched."""
-    global _solo_sdpa, _cpu_chunks
+    global _solo_sdpa
     from mlx_lm.models import base
 
     if _solo_sdpa is None:
         _solo_sdpa = base.scaled_dot_product_attention
-    _cpu_chunks = cpu_attention.wanted()
     layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None), "layers", None) or []
     mods = {type(getattr(layer, "self_attn", None)).__module__ for layer in layers}
     if not layers or None in mods or type(None).__module__ in mods:

@@ -166,7 +166,8 @@ def mlx_lm_tps(lm, prompts: list[str], tokens: int) -> float:
     return round(once(tokens), 2)
 
 
-def _beside_long(srv: LoopbackHost, token: str, prompts: list[str], tokens: int, filler: str) -> tuple[list[dict], dict]:
+def _beside_long(srv: LoopbackHost, token: str, prompts: list[str], tokens: int,
+                 filler: str) -> tuple[list[dict], dict]:
     """Turns of ``prompts`` with one more client sending ``filler`` half a second in:
     the decoders' turns, and the long turn's start, end and prompt tokens."""
     from ..sdk import Client
@@ -194,11 +195,13 @@ def _long_prompt(srv: LoopbackHost, token: str, tokens: int, long_prompt: int, l
     # the same scenario untimed first, with prompts and a filler of its own (nothing left
     # cached for the timed one): a GPU compiles the prefill chunks' kernels here, beside
     # running decoders, as the points' warm-ups do for theirs
+    def filler(sentence: str) -> str:  # a seven-word sentence: ~long_prompt tokens in all
+        return " ".join([sentence] * (long_prompt // 8))
     _beside_long(srv, token, [_prompt(2 * WARM + i) for i in range(long_with)], tokens,
-                 " ".join(["A ferry left the harbour at dusk."] * (long_prompt // 8)))
-    base = _point(_turns(srv.address, token, [_prompt(i) for i in range(long_with)], tokens))
-    filler = " ".join(["The ferry crossed the strait at dawn."] * (long_prompt // 8))
-    during, long_done = _beside_long(srv, token, [_prompt(i) for i in range(long_with)], tokens, filler)
+                 filler("A ferry left the harbour at dusk."))
+    decoders = [_prompt(i) for i in range(long_with)]
+    base = _point(_turns(srv.address, token, decoders, tokens))
+    during, long_done = _beside_long(srv, token, decoders, tokens, filler("The ferry crossed the strait at dawn."))
     w0, w1 = long_done.get("start", 0.0), long_done.get("end", 0.0)
     gaps = [(b - a) * 1000 for t in during for a, b in zip(t["times"], t["times"][1:])
             if b >= w0 and a <= w1]  # the decoders' steps that overlapped the long prefill

@@ -11,9 +11,10 @@ prompt: the decoders' TPOT p99 during it, against their p50 without it.
 
 With ``trace_steps`` the served host writes its step trace
 (``KVFERRY_STEP_TRACE``, docs/performance.md) and each point gets ``steps``: over
-that point's full decode steps (at least 3/4 of its sessions, no prompt chunk),
-medians of the time from one step to the next and of its parts: the forward
-pass, the guests, and what is left between steps (the sessions coming back).
+that point's full decode steps (rows for at least 3/4 of its own sessions, no
+prompt chunk), medians of the time from one step to the next and of its parts:
+the forward pass, the guests, and what is left between steps (the sessions
+coming back).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _turns(address: str, token: str, prompts: list[str], tokens: int) -> list[di
         except Exception as e:  # reported once all turns end: a point with a failed turn has no figure
             failed.append(e)
             return
-        out[i] = {"sent": t0, "times": times}
+        out[i] = {"sent": t0, "times": times, "session": sessions[i].id}
     ts = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in ts:
         t.start()
@@ -122,11 +123,14 @@ class StepTrace:
             out.append(lines)
         return out
 
-    def point(self, sessions: int) -> dict:
-        """The steps since the last call, summarised for a point of ``sessions``."""
+    def point(self, turns: list[dict]) -> dict:
+        """The steps since the last call that decoded most of ``turns``' sessions, summarised.
+        By session, not by time: a step's line is written after its tokens are sent, so the
+        warm-up's last one may land after the warm-up's turns have ended."""
+        ids = {t["session"] for t in turns}
         full = []
         for a, b in ((a, b) for lines in self._new_lines() for a, b in zip(lines, lines[1:])):
-            if len(a["rows"]) * 4 >= sessions * 3 and not a["prompts"]:
+            if sum(r[0] in ids for r in a["rows"]) * 4 >= len(ids) * 3 and not a["prompts"]:
                 period = (b["t"] - a["t"]) * 1000
                 full.append((period, a["forward_ms"], a["guests_ms"], period - a["forward_ms"] - a["guests_ms"],
                              len(a["rows"]), a.get("guessed", 0)))
@@ -245,11 +249,10 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
             # compiles the kernels for n rows here, not in the timed turns. Prompts of their
             # own, so the timed ones do not start from a prefix the warm-up left cached.
             _turns(srv.address, token, [_prompt(WARM + i) for i in range(n)], WARM_TOKENS)
+            timed = _turns(srv.address, token, [_prompt(i) for i in range(n)], tokens)
+            points.append(_point(timed))
             if trace:
-                trace.point(n)  # (the warm-up's steps are no point's)
-            points.append(_point(_turns(srv.address, token, [_prompt(i) for i in range(n)], tokens)))
-            if trace:
-                points[-1]["steps"] = trace.point(n)
+                points[-1]["steps"] = trace.point(timed)
             progress(f"  {points[-1]}")  # as it goes: a run cut short still reports what it measured
         long = _long_prompt(srv, token, tokens, long_prompt, long_with, progress) if long_prompt else None
     finally:

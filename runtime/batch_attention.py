@@ -92,19 +92,32 @@ class PackedCaches:
 
 def _packed_attention(attn, x, cache: PackedCaches):
     """Llama-shaped attention (q/k/v/o projections, RoPE, optional q/k norms) over a
-    packed sequence: projections on all tokens at once, RoPE, cache and attention
-    per segment, exactly as each session would run alone."""
+    packed sequence: projections on all tokens at once, then RoPE, cache and
+    attention as each session would run alone. The leading one-token segments (the
+    decode rows) go as one batch, as in a plain decode step (RowCaches): segment by
+    segment they cost a CPU step of 4 rows 102 ms against 77 (SmolLM2)."""
     import mlx.core as mx
 
     _, t, _ = x.shape
     q = attn.q_proj(x).reshape(1, t, attn.n_heads, -1)
     k = attn.k_proj(x).reshape(1, t, attn.n_kv_heads, -1)
-    v = attn.v_proj(x).reshape(1, t, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = attn.v_proj(x).reshape(1, t, attn.n_kv_heads, -1)
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-    outs, at = [], 0
-    for c, n in cache.segments:
+    rows = 0
+    while rows < len(cache.segments) and cache.segments[rows][1] == 1:
+        rows += 1
+    outs = []
+    if rows:
+        batch = RowCaches([c for c, _ in cache.segments[:rows]])
+        qr, kr, vr = (a[0, :rows, None].transpose(0, 2, 1, 3) for a in (q, k, v))  # (rows, heads, 1, dim)
+        offset = batch.offset
+        qr, kr = attn.rope(qr, offset=offset), attn.rope(kr, offset=offset)
+        batch.update_and_fetch(kr, vr)
+        outs.append(_batched_sdpa(qr, kr, vr, batch, attn.scale, None).transpose(2, 1, 0, 3))
+    q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+    at = rows
+    for c, n in cache.segments[rows:]:
         qs, ks, vs = q[:, :, at:at + n], k[:, :, at:at + n], v[:, :, at:at + n]
         at += n
         qs, ks = attn.rope(qs, offset=c.offset), attn.rope(ks, offset=c.offset)

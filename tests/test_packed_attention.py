@@ -1,0 +1,58 @@
+"""A packed pass (kvferry.batch_attention.PackedCaches: decode rows and prompt chunks
+side by side, the CPU's step with a prompt in it) gives every session what its own
+pass would: its logits and its cache's K/V."""
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from kvferry.batch_attention import PackedCaches, install, install_packed
+
+
+class _Session:
+    """What a packed pass needs of a session: its caches (filled with a prompt)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    @classmethod
+    def prompted(cls, model, tokens):
+        cache = [KVCache() for _ in model.layers]
+        model(mx.array([tokens], dtype=mx.int32), cache=cache)
+        mx.eval([c.state for c in cache])
+        return cls(cache)
+
+    def copy(self):
+        out = []
+        for c in self.cache:
+            d = KVCache()
+            d.update_and_fetch(mx.array(c.keys[..., :c.offset, :]), mx.array(c.values[..., :c.offset, :]))
+            out.append(d)
+        mx.eval([c.state for c in out])
+        return _Session(out)
+
+
+def test_a_packed_pass_gives_each_segment_its_own_pass(smollm):
+    model, enc = smollm.model, smollm.tokenizer.encode
+    assert install(model) and install_packed(model)
+    prompts = ["Rivers run to the sea.", "A ferry crossed the bay at dawn", "Name three colours:",
+               "Why is the sky blue?", "Once upon a time"]
+    sessions = [_Session.prompted(model, enc(p)) for p in prompts]
+    # three decode rows (batched as in a plain decode step), a prompt chunk, and a lone token after it
+    steps = [enc(" It")[:1], enc(" slowly")[:1], enc(" red")[:1], enc(" Because the air scatters light"),
+             enc(" there")[:1]]
+    packed = [s.copy() for s in sessions]
+    hidden = model.model(mx.array([[t for toks in steps for t in toks]], dtype=mx.int32),
+                         cache=PackedCaches.of([(s, len(toks)) for s, toks in zip(packed, steps)]))
+    logits = (model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear)(hidden)[0]
+    at = 0
+    for s, p, toks in zip(sessions, packed, steps):
+        alone = s.copy()
+        ref = model(mx.array([toks], dtype=mx.int32), cache=alone.cache)[0]
+        mine = logits[at:at + len(toks)]
+        at += len(toks)
+        assert mx.allclose(mine, ref, atol=2e-3).item(), mx.abs(mine - ref).max().item()
+        assert (mine.argmax(-1) == ref.argmax(-1)).all().item()
+        for a, b in zip(p.cache, alone.cache):
+            assert a.offset == b.offset
+            assert mx.allclose(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :], atol=1e-4).item()
+            assert mx.allclose(a.values[..., :a.offset, :], b.values[..., :b.offset, :], atol=1e-4).item()

@@ -2,7 +2,7 @@
 
 Logic only: step times come from a cost model, as a CPU and a GPU showed them."""
 
-from kvferry.prompt_budget import CEILING, FLOOR, PromptBudget
+from kvferry.prompt_budget import BAND, CEILING, FLOOR, TARGET, PromptBudget
 
 DECODE = 0.012  # s, a plain decode step
 
@@ -20,17 +20,17 @@ def steer(cost, steps: int = 60, rows: int = 4) -> tuple[PromptBudget, list[floa
     return b, ratios
 
 
-def test_where_tokens_cost_the_budget_holds_a_step_near_one_and_a_half_decode_steps():
+def test_where_tokens_cost_the_budget_holds_a_step_near_its_target():
     b, ratios = steer(lambda n: DECODE * (1 + n / 16))  # a CPU: 16 prompt tokens cost a decode step
-    assert b.target == 1.5
+    assert b.target == TARGET < 2 - 3 * BAND  # room under the 2x p99 target for a noisy machine
     assert 4 <= b.tokens <= 12
-    assert max(ratios[-20:]) <= 1.6 + 1e-9
+    assert max(ratios[-20:]) <= TARGET + BAND + 1e-9
 
 
 def test_where_a_prompt_pass_costs_the_same_at_any_size_the_chunk_grows():
     # an H200: any chunk up to ~256 tokens costs ~one decode step (launch-bound), then tokens count
     b, ratios = steer(lambda n: DECODE * (1.95 + max(0, n - 256) / 256))
-    assert b.target > 2.0  # the floor (1.95x) plus headroom: 1.5x cannot be had
+    assert b.target > 2.0  # the floor (1.95x) plus headroom: TARGET cannot be had
     assert b.tokens >= 128  # not stuck at FLOOR, where a 2k prompt went in 4 tokens a step
     assert max(ratios[-20:]) <= b.target + 0.1 + 1e-9
     assert FLOOR <= b.tokens <= CEILING
@@ -40,4 +40,4 @@ def test_a_prompt_only_step_or_no_decode_step_yet_changes_nothing():
     b = PromptBudget(tokens=16)
     b.observe(0, 512, 1.0)  # nobody decoding
     b.observe(4, 16, 1.0)  # no plain decode step measured yet
-    assert b.tokens == 16 and b.target == 1.5
+    assert b.tokens == 16 and b.target == TARGET

@@ -9,11 +9,11 @@ more slowly while others decode.
 
 Where even the smallest chunk costs more than that, shrinking buys nothing. On an
 H200 a prompt pass of 4 tokens costs what one of 128 does (~11 ms beside a 12 ms
-decode step of SmolLM2: it is launch-bound), so a budget steered to 1.3x sat at 4
-tokens and a 2k prompt crawled in at 4 tokens a step. There the target becomes
-that floor plus a quarter of a decode step, and the chunk grows until its tokens
-start to cost: the prompt goes in at a few such steps, as with vLLM's fixed
-``max_num_batched_tokens``.
+decode step of SmolLM2: it is launch-bound), so a budget steered to 1.5x (then the
+target) sat at 4 tokens and a 2k prompt crawled in at 4 tokens a step. There the
+target becomes that floor plus a quarter of a decode step, and the chunk grows
+until its tokens start to cost: the prompt goes in at a few such steps, as with
+vLLM's fixed ``max_num_batched_tokens``.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from kvferry.batch_attention import PackedCaches, install, install_packed
+from kvferry.prefill_thread import private_copy
 
 
 class _Session:
@@ -22,13 +23,7 @@ class _Session:
         return cls(cache)
 
     def copy(self):
-        out = []
-        for c in self.cache:
-            d = KVCache()
-            d.update_and_fetch(mx.array(c.keys[..., :c.offset, :]), mx.array(c.values[..., :c.offset, :]))
-            out.append(d)
-        mx.eval([c.state for c in out])
-        return _Session(out)
+        return _Session(private_copy(self.cache))  # the prefill thread's copy: same tokens, new buffers
 
 
 def test_a_packed_pass_gives_each_segment_its_own_pass(smollm):

@@ -334,6 +334,23 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _interrupt_again(unraisable, default=sys.unraisablehook) -> None:
+    """Python drops what a gc callback or a ``__del__`` raises. A SIGTERM (or Ctrl-C) whose
+    KeyboardInterrupt landed in one (kvferry.collector's, in a CI run) would leave a bench
+    running to its end: the signal is sent again, to land in the bench's own code."""
+    if unraisable.exc_type is KeyboardInterrupt:
+        signum = signal.SIGTERM if signal.getsignal(signal.SIGTERM) is _interrupt else signal.SIGINT
+        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+    else:
+        default(unraisable)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (`timeout`, a job runner) unwinds this process as Ctrl-C does, whatever it was running."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    sys.unraisablehook = _interrupt_again
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -341,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "bench" and threading.current_thread() is threading.main_thread():
         # stopped by SIGTERM (`timeout`, a job runner), a bench unwinds as on Ctrl-C, so the hosts
         # it started are stopped too: Python's default would exit with them still serving
-        signal.signal(signal.SIGTERM, _interrupt)
+        stop_on_sigterm()
     try:
         return args.fn(args) or 0
     except KvferryError as e:

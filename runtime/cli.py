@@ -337,10 +337,10 @@ def _interrupt(signum, frame) -> None:
 def _interrupt_again(unraisable, default=sys.unraisablehook) -> None:
     """Python drops what a gc callback or a ``__del__`` raises. A SIGTERM (or Ctrl-C) whose
     KeyboardInterrupt landed in one (kvferry.collector's, in a CI run) would leave a bench
-    running to its end: the signal is sent again, to land in the bench's own code."""
+    running to its end: a SIGTERM is sent again, to land in the bench's own code (its handler,
+    installed with this hook, raises the same KeyboardInterrupt as Ctrl-C)."""
     if unraisable.exc_type is KeyboardInterrupt:
-        signum = signal.SIGTERM if signal.getsignal(signal.SIGTERM) is _interrupt else signal.SIGINT
-        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
     else:
         default(unraisable)
 

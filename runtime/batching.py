@@ -129,7 +129,7 @@ class StepScheduler(Speculation, StepForward):
         self._late = False
         self.stats = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch_seen": 0,
                       "forward_s": 0.0,  # time in forward passes (the rest: guests and waiting)
-                      "speculated": 0, "speculation_hits": 0,
+                      "speculated": 0, "speculation_hits": 0, "prefill_logits": 0,
                       "resident_joins": 0, "resident_steps": 0}  # shared KV rows (kvferry.resident)
         self.last_rows = 0  # rows of the last decode step (a gauge)
         self._trace = _open_trace(os.environ.get("KVFERRY_STEP_TRACE"))
@@ -315,6 +315,7 @@ class StepScheduler(Speculation, StepForward):
                         self.decodes.append(req)
             t0 = time.perf_counter()
             t_lock, gc0, hits0 = t0, paused_seconds(), self.stats["speculation_hits"]
+            join0 = self.shared.join_s if self.shared is not None else 0.0
             try:
                 with self.host.compute:
                     t_lock = time.perf_counter()
@@ -354,6 +355,7 @@ class StepScheduler(Speculation, StepForward):
                     "guessed": self.stats["speculation_hits"] - hits0,  # rows that took their speculated step
                     "guests_ms": round((time.perf_counter() - t1) * 1e3, 2),
                     "gc_ms": round((paused_seconds() - gc0) * 1e3, 2),  # collections (any thread's) in both
+                    "join_ms": round(((self.shared.join_s if self.shared is not None else 0.0) - join0) * 1e3, 2),
                     "rows": [[r.session.id, len(r.session.history)] for r in rows],
                     "prompts": [[q.session.id, len(c)] for q, c in plan]}) + "\n")
             with self.cv:  # the gather window opens once every row has its logits or its token

@@ -16,8 +16,12 @@ so fewer chunks slow fewer steps (on an H200 a 2,280-token prompt went in in
 The chunks go into private copies of the session's caches, which are published
 with the history under the compute lock once the prompt is in. A pre-copy or a
 checkpoint therefore never sees a half-built cache: only arrays that are already
-evaluated ever cross threads. The prompt's last token then joins a decode batch,
-as an in-step prompt's does.
+evaluated ever cross threads. The prompt's last token goes in with its last chunk
+too, and its logits are handed to the step thread as that session's guessed step
+(:mod:`kvferry.speculation`). Its first decode step then takes them like any
+guess: it costs that step no forward pass of its own. Decoded on the step thread
+instead, it was a second pass beside the other rows' guessed one, which made
+that step about 2x (38 against 11-18 ms on an H200, docs/performance.md).
 
 On by default on a GPU (``serve --prefill-thread``). On a CPU the two threads
 would share the same cores, so in-step chunks stay the default there.
@@ -127,22 +131,37 @@ class PrefillThread:
         s, host = req.session, self.steps.host
         model = host.lm.model
         body = getattr(model, "model", None) if self.steps.packed else None  # no vocabulary projection
-        tokens = req.tokens[:-1]
+        tokens = req.tokens  # the last one too: its logits come from here (see first_logits)
         step = max(1, s.options.prefill_step, CHUNK)
+        logits = None
         for at in range(0, len(tokens), step):
             if s.closed or self.closed:
                 raise SessionError("the session was closed during its prompt")
-            (body or model)(mx.array(tokens[at:at + step], dtype=mx.int32)[None], cache=caches)
-            mx.eval([x for c in caches for x in (c.keys, c.values)])  # the GIL is free meanwhile
+            chunk = mx.array(tokens[at:at + step], dtype=mx.int32)[None]
+            if at + step < len(tokens):
+                (body or model)(chunk, cache=caches)
+            elif body is not None:
+                logits = _head(model)(body(chunk, cache=caches)[:, -1])[0].astype(mx.float32)
+            else:
+                logits = model(chunk, cache=caches)[0, -1].astype(mx.float32)
+            mx.eval([x for c in caches for x in (c.keys, c.values)] + ([logits] if logits is not None else []))
+            # (the GIL is free while it runs)
         with host.compute:  # the history moves with the cache (pre-copy reads both under it)
             if s.closed:
                 raise SessionError("the session was closed during its prompt")
             for c, p in zip(s.cache, caches):
-                c.keys, c.values, c.offset = p.keys, p.values, p.offset
-            s.history.extend(tokens)
+                # the last token's K/V sit one past the offset, as a speculated step's do
+                c.keys, c.values, c.offset = p.keys, p.values, p.offset - 1
+            s.history.extend(tokens[:-1])
             req.tokens = req.tokens[-1:]
             if req.fresh:  # its prompt is in: others may start from it (kvferry.prefix_cache)
                 host.prefix.keep(s)
+            self.steps.first_logits(req, logits)
         self.stats["prompts"] += 1
         self.stats["tokens"] += len(tokens)
         self.steps.decode_next(req)
+
+
+def _head(model: Any) -> Any:
+    """The vocabulary projection of an mlx-lm model (tied embeddings or its own)."""
+    return model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear

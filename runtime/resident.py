@@ -23,6 +23,7 @@ attention's (docs/sessions.md measures by how much).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -73,6 +74,7 @@ class ResidentRows:
         self.v: list = []
         self.owner: list = []  # the session in each row, or None
         self.tokens = 0  # the buffers' length
+        self.join_s = 0.0  # time spent joining sessions (the step trace's join_ms)
 
     def resident(self, session: Any) -> bool:
         caches = session.cache
@@ -128,6 +130,13 @@ class ResidentRows:
 
     def join(self, session: Any) -> None:
         """Copy ``session``'s KV into a free row; its caches become views of it."""
+        t0 = time.perf_counter()
+        try:
+            self._join(session)
+        finally:
+            self.join_s += time.perf_counter() - t0
+
+    def _join(self, session: Any) -> None:
         caches = session.cache
         if not self.k:
             ref = next((c for c in caches if c.keys is not None), None)
@@ -147,7 +156,8 @@ class ResidentRows:
             if c.offset:
                 self.k[j][row:row + 1, :, :c.offset, :] = c.keys[..., :c.offset, :]
                 self.v[j][row:row + 1, :, :c.offset, :] = c.values[..., :c.offset, :]
-        mx.eval(self.k, self.v)
+        # not evaluated here: the step that takes the session evaluates the buffers with
+        # its own work, so a join never waits for the step before it to finish
         for j, c in enumerate(caches):
             c.__class__ = ResidentKV  # the properties answer from the row from here on
             c._rows, c._layer, c._row = self, j, row

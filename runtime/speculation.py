@@ -31,10 +31,10 @@ class _Guess:
     """A speculated next step of one session, on row ``row`` of ``tokens`` (the
     guessed tokens of the step that made it, a device array): valid while its cache
     is where it was, also when its session comes back a step or more late."""
-    __slots__ = ("tokens", "row", "logits", "offset", "epoch", "n")
+    __slots__ = ("tokens", "row", "logits", "offset", "epoch", "n", "prefilled")
 
-    def __init__(self, tokens: Any, row: int, logits: Any, session: Any) -> None:
-        self.tokens, self.row, self.logits = tokens, row, logits
+    def __init__(self, tokens: Any, row: int, logits: Any, session: Any, prefilled: bool = False) -> None:
+        self.tokens, self.row, self.logits, self.prefilled = tokens, row, logits, prefilled
         self.offset, self.epoch, self.n = session.cache[0].offset, session.kv_epoch, len(session.history)
 
     def holds(self, session: Any, token: int, read: dict) -> bool:
@@ -78,11 +78,23 @@ class Speculation:
         for r in hit:  # (after the others' pass: a failed step leaves every cache as it was)
             for c in r.session.cache:
                 c.offset += 1
-        self.stats["speculation_hits"] += len(hit)
+        prefilled = sum(g.prefilled for g in hit.values())
+        self.stats["speculation_hits"] += len(hit) - prefilled
+        self.stats["prefill_logits"] += prefilled  # (a first token's, from the prefill thread)
         out = [hit[r].logits if r in hit else next(rest) for r in rows]
         if wait:
             mx.eval(out)
         return out
+
+    def first_logits(self, req: Any, logits: Any) -> None:
+        """A prompt prefilled with its last token on the prefill thread
+        (:mod:`kvferry.prefill_thread`): that token's logits (evaluated) become its
+        session's guessed step, whose K/V already sit one past its offset."""
+        import mlx.core as mx
+
+        if logits is not None:
+            self.guesses[req.session] = _Guess(mx.array([req.tokens[-1]], dtype=mx.int32), 0, logits,
+                                               req.session, prefilled=True)
 
     def guessing(self, rows: list, plan: list) -> bool:
         """Whether this step's next one is guessed (:meth:`_guess`, before this step's

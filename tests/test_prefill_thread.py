@@ -77,13 +77,16 @@ def beside_decoders(host, fn):
 def test_a_long_prompt_beside_decoders_is_prefilled_on_its_thread_exactly(host):
     solo_long = alone(host, [LONG], 8)[0]
     solo_short = [alone(host, [t], 40)[0] for t in SHORT]
-    before = dict(host.steps.prefiller.stats)
+    before, logits0 = dict(host.steps.prefiller.stats), host.steps.stats["prefill_logits"]
     s = host.create_session(sampling=greedy(8))
     got, bystanders = beside_decoders(host, lambda: reply(host, s, LONG))
     st = host.steps.prefiller.stats
     assert st["prompts"] == before["prompts"] + 1
-    assert st["tokens"] - before["tokens"] == len(s.history) - len(got) > 64  # the prompt but its last token
-    assert got == solo_long  # the same chunks, in another thread: the same floats
+    # the whole prompt (the last generated token is not in the history yet)
+    assert st["tokens"] - before["tokens"] == len(s.history) - len(got) + 1 > 64
+    # its first token came from the prefill's own logits: no forward pass on the step thread for it
+    assert host.steps.stats["prefill_logits"] == logits0 + 1
+    assert got == solo_long  # the same prompt, in another thread: the same tokens
     assert bystanders == solo_short  # and the decoders never noticed
     assert f"kvferry_prefill_thread_tokens {float(st['tokens'])}" in generate_latest(host.metrics.registry).decode()
     host.close_session(s.id)

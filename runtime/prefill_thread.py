@@ -35,6 +35,7 @@ from collections import deque
 from typing import Any
 
 from .errors import SessionError
+from .step_forward import vocab_head
 
 # CPython hands the GIL to a waiting thread only every switch interval (5 ms by
 # default): a decode step waiting for it behind this thread's Python took 11.8 ms
@@ -141,7 +142,7 @@ class PrefillThread:
             if at + step < len(tokens):
                 (body or model)(chunk, cache=caches)
             elif body is not None:
-                logits = _head(model)(body(chunk, cache=caches)[:, -1])[0].astype(mx.float32)
+                logits = vocab_head(model)(body(chunk, cache=caches)[:, -1])[0].astype(mx.float32)
             else:
                 logits = model(chunk, cache=caches)[0, -1].astype(mx.float32)
             mx.eval([x for c in caches for x in (c.keys, c.values)] + ([logits] if logits is not None else []))
@@ -160,8 +161,3 @@ class PrefillThread:
         self.stats["prompts"] += 1
         self.stats["tokens"] += len(tokens)
         self.steps.decode_next(req)
-
-
-def _head(model: Any) -> Any:
-    """The vocabulary projection of an mlx-lm model (tied embeddings or its own)."""
-    return model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear

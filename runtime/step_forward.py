@@ -86,8 +86,12 @@ class StepForward:
         tokens = [r.tokens[-1] for r in rows] + [t for _, chunk in plan for t in chunk]
         caches = PackedCaches.of([(r.session, 1) for r in rows] + [(req.session, len(c)) for req, c in plan])
         hidden = model.model(mx.array(tokens, dtype=mx.int32)[None], cache=caches)[:, :len(rows)]
-        head = model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear  # (tied embeddings)
-        out = head(hidden)[0].astype(mx.float32)
+        out = vocab_head(model)(hidden)[0].astype(mx.float32)
         logits = [out[i] for i in range(len(rows))]  # a row's logits: its token's position
         mx.eval(logits + [c.state for req, _ in plan for c in req.session.cache])
         return logits
+
+
+def vocab_head(model: Any) -> Any:
+    """An mlx-lm model's vocabulary projection: its own, or its tied embeddings."""
+    return model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear

@@ -19,7 +19,7 @@ step's attention reads them only up to its longest row, and masks each row at
 its own length.
 
 On by default on a GPU (``serve --batch-kv``). A row's attention runs over the
-buffer's padded length, so its floats may round differently from its solo
+step's longest row, masked, so its floats may round differently from its solo
 attention's (docs/sessions.md measures by how much).
 """
 

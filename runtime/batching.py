@@ -432,6 +432,8 @@ class StepScheduler(Speculation, StepForward):
         closed = [r for r in rows if r.session.closed] + [r for r, _ in plan if r.session.closed]
         if not closed:
             return rows, plan
+        for r in closed:  # (a guess made while it closed, after its close dropped the others)
+            self.guesses.pop(r.session, None)
         self._fail(closed, SessionError("the session was closed during its step"))
         return [r for r in rows if r not in closed], [(r, c) for r, c in plan if r not in closed]
 

@@ -315,7 +315,7 @@ class StepScheduler(Speculation, StepForward):
                         self.decodes.append(req)
             t0 = time.perf_counter()
             t_lock, gc0, hits0 = t0, paused_seconds(), self.stats["speculation_hits"]
-            join0 = self.shared.join_s if self.shared is not None else 0.0
+            join0 = self._join_s
             try:
                 with self.host.compute:
                     t_lock = time.perf_counter()
@@ -355,7 +355,7 @@ class StepScheduler(Speculation, StepForward):
                     "guessed": self.stats["speculation_hits"] - hits0,  # rows that took their speculated step
                     "guests_ms": round((time.perf_counter() - t1) * 1e3, 2),
                     "gc_ms": round((paused_seconds() - gc0) * 1e3, 2),  # collections (any thread's) in both
-                    "join_ms": round(((self.shared.join_s if self.shared is not None else 0.0) - join0) * 1e3, 2),
+                    "join_ms": round((self._join_s - join0) * 1e3, 2),
                     "rows": [[r.session.id, len(r.session.history)] for r in rows],
                     "prompts": [[q.session.id, len(c)] for q, c in plan]}) + "\n")
             with self.cv:  # the gather window opens once every row has its logits or its token
@@ -436,6 +436,11 @@ class StepScheduler(Speculation, StepForward):
             self.guesses.pop(r.session, None)
         self._fail(closed, SessionError("the session was closed during its step"))
         return [r for r in rows if r not in closed], [(r, c) for r, c in plan if r not in closed]
+
+    @property
+    def _join_s(self) -> float:
+        """Seconds spent joining sessions to the shared rows so far (the step trace's join_ms)."""
+        return self.shared.join_s if self.shared is not None else 0.0
 
     @staticmethod
     def request(session: Any, tokens: list[int]) -> _Request:

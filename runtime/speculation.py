@@ -92,9 +92,8 @@ class Speculation:
         session's guessed step, whose K/V already sit one past its offset."""
         import mlx.core as mx
 
-        if logits is not None:
-            self.guesses[req.session] = _Guess(mx.array([req.tokens[-1]], dtype=mx.int32), 0, logits,
-                                               req.session, prefilled=True)
+        self.guesses[req.session] = _Guess(mx.array([req.tokens[-1]], dtype=mx.int32), 0, logits,
+                                           req.session, prefilled=True)
 
     def guessing(self, rows: list, plan: list) -> bool:
         """Whether this step's next one is guessed (:meth:`_guess`, before this step's

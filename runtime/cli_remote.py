@@ -269,7 +269,7 @@ def register(sub, add: Callable) -> None:
     sv.add_argument("--batch-kv", choices=tuple(BATCH_KV), default="auto",
                     help="where a decode batch's KV lives: shared (one buffer per layer, one attention for every "
                          "row; mlx-lm's BatchKVCache) or per-session (each row its own cache and attention); auto: "
-                         "shared on a GPU")
+                         "shared")
     sv.add_argument("--guest-thread", choices=tuple(GUEST_THREAD), default="auto",
                     help="where a decode step's guests sample: on the host's step thread, one after another "
                          "(one thread switch a token) or each on its session's thread; auto: step on a GPU")

@@ -54,7 +54,7 @@ class HostPolicy:
     guest_step_ms: float = 20.0  # a guest's own time in one step, at most; a step waits no longer for it
     step_tokens: int = 0  # prompt tokens a step adds beside its decodes (0: adaptive, ~half a decode step)
     speculate: bool | None = None  # queue the greedy next step before waiting for this one (None: on a GPU)
-    shared_kv: bool | None = None  # decode rows' KV in one buffer per layer (kvferry.resident; None: on a GPU)
+    shared_kv: bool | None = None  # decode rows' KV in one buffer per layer (kvferry.resident; None: on)
     drive_guests: bool | None = None  # decode steps call the guests on the step thread (None: on a GPU)
     prefill_thread: bool | None = None  # long prompts beside decodes prefilled on their own thread (None: on a GPU)
     prefix_cache_bytes: int = 64_000_000  # recent prompts' KV that new sessions start from (0: off)

@@ -317,7 +317,7 @@ def register(sub, add: Callable) -> None:
     bs.add_argument("--model")
     bs.add_argument("--sessions", type=int, nargs="+", help="concurrent sessions (default 1 4 8; on a GPU 1 8 32 64)")
     bs.add_argument("--batch-kv", choices=tuple(BATCH_KV), default="auto",
-                    help="the served host's serve --batch-kv (default auto: shared on a GPU)")
+                    help="the served host's serve --batch-kv (default auto: shared)")
     bs.add_argument("--guest-thread", choices=tuple(GUEST_THREAD), default="auto",
                     help="the served host's serve --guest-thread (default auto: step on a GPU)")
     bs.add_argument("--prefill-thread", choices=tuple(PREFILL_THREAD), default="auto",

@@ -18,7 +18,7 @@ resident session (grown ``GROW`` tokens at a time, so that they seldom grow); a
 step's attention reads them only up to its longest row, and masks each row at
 its own length.
 
-On by default on a GPU (``serve --batch-kv``). A row's attention runs over the
+On by default on every device (``serve --batch-kv``). A row's attention runs over the
 step's longest row, masked, so its floats may round differently from its solo
 attention's (docs/sessions.md measures by how much).
 """

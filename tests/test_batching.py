@@ -25,8 +25,8 @@ def greedy(n):
 @pytest.fixture(scope="module", params=[(False, False), (True, False), (True, True)],
                 ids=["per-session-kv", "shared-kv", "shared-kv-step-guests"])
 def host(smollm, request):
-    """A host of each KV layout: per-session caches (the CPU default) and shared
-    resident rows (kvferry.resident, the GPU default), on this CPU; the last also
+    """A host of each KV layout: per-session caches and shared resident rows
+    (kvferry.resident, the default), on this CPU; the last also
     runs decode steps' guests on the step thread (serve --guest-thread step, the
     GPU default)."""
     shared, drive = request.param

@@ -270,7 +270,7 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
     n = max(p["sessions"] for p in points)
     ids = [list(lm.tokenizer.apply_chat_template([{"role": "user", "content": _prompt(i)}],
                                                  add_generation_prompt=True)) for i in range(n)]
-    shared = BATCH_KV[batch_kv] if BATCH_KV[batch_kv] is not None else True  # the served layout
+    shared = BATCH_KV[batch_kv] is not False  # the served layout (auto: shared)
     agree = consistency(lm.model, ids, min(tokens, 32), shared=shared)
     one = points[0]["aggregate_tps"] if points and points[0]["sessions"] == 1 else None
     for p in points:

@@ -51,6 +51,17 @@ class ResidentKV(KVCache):
     def values(self):
         return self._rows.v[self._layer][self._row:self._row + 1]
 
+    # sizes answer without the buffers: other threads ask at any moment (a metrics scrape,
+    # admission's KV budget), while the step thread may be replacing or giving them back
+    _token_bytes: int  # one token's K and V in this layer
+
+    def empty(self) -> bool:
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        return self._token_bytes * self._rows.tokens  # the row, as its views would count it
+
     def update_and_fetch(self, keys, values):
         prev, n = self.offset, keys.shape[2]
         self._rows.fit(prev + n)
@@ -160,9 +171,14 @@ class ResidentRows:
                 self.v[j][row:row + 1, :, :c.offset, :] = c.values[..., :c.offset, :]
         # not evaluated here: the step that takes the session evaluates the buffers with
         # its own work, so a join never waits for the step before it to finish
+        # in this order, because other threads read these caches at any moment (a metrics
+        # scrape, a checkpoint): the row's place is set before the class whose properties read
+        # it, and the session's own buffers are dropped only once the properties shadow them
         for j, c in enumerate(caches):
-            c.__class__ = ResidentKV  # the properties answer from the row from here on
+            k, v = self.k[j], self.v[j]
+            c._token_bytes = (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * k.dtype.size
             c._rows, c._layer, c._row = self, j, row
+            c.__class__ = ResidentKV  # the properties answer from the row from here on
             c.__dict__.pop("keys", None)
             c.__dict__.pop("values", None)
         self.owner[row] = session

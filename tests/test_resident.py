@@ -78,3 +78,51 @@ def test_live_migration_out_of_and_into_resident_batches(shared_pair):
     # the replies ran in resident rows (a lone row never joins, so these are steps of
     # two sessions; which host had them depends on how the steps fell)
     assert a.host.steps.stats["resident_joins"] + b.host.steps.stats["resident_joins"] >= 2
+
+
+def test_sizes_read_from_other_threads_while_rows_join_and_leave():
+    """A metrics scrape or admission's KV budget reads sessions' sizes from other threads
+    at any moment; joins and leaves (which replace and give back the buffers) never make
+    that read fail (it once did: an IndexError, a scrape's 500)."""
+    import sys
+    import threading
+    import time
+
+    import mlx.core as mx
+
+    from kvferry.resident import Bare, ResidentRows
+
+    def session():
+        caches = [KVCache() for _ in range(4)]
+        for c in caches:
+            c.update_and_fetch(mx.zeros((1, 2, 3, 4)), mx.zeros((1, 2, 3, 4)))
+        return Bare(caches)
+
+    rows, sessions, errors, stop = ResidentRows(), [session() for _ in range(3)], [], threading.Event()
+    want = sum(c.nbytes for s in sessions for c in s.cache)
+
+    def read():
+        while not stop.is_set():
+            try:
+                for s in sessions:
+                    sum(c.nbytes for c in s.cache if not c.empty())
+            except Exception as e:  # noqa: BLE001 (the failure under test)
+                errors.append(repr(e))
+                return
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        end = time.monotonic() + 2
+        while time.monotonic() < end and not errors:
+            assert rows.take(sessions)
+            for s in sessions:
+                rows.leave(s, s.cache)
+    finally:
+        stop.set()
+        reader.join()
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert sum(c.nbytes for s in sessions for c in s.cache) == want and rows.k == []

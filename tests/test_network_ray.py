@@ -93,6 +93,8 @@ def test_chaos_short_run_keeps_the_invariants():
                 "sessions_duplicated", "tokens_duplicated", "tokens_lost", "greedy_identical_to_twin"):
         assert key in out
     assert out["sessions_started"] > 0 and out["sessions_completed"] > 0
-    assert out["sessions_lost"] == 0 and out["sessions_duplicated"] == 0, out
-    assert out["tokens_duplicated"] == 0 and out["tokens_lost"] == 0, out
+    # a string, which pytest prints whole: the lost sessions' stories and the hosts' last words
+    why = json.dumps(out, indent=1)
+    assert out["sessions_lost"] == 0 and out["sessions_duplicated"] == 0, why
+    assert out["tokens_duplicated"] == 0 and out["tokens_lost"] == 0, why
     assert r.returncode == 0, r.stderr[-3000:]

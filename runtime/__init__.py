@@ -12,9 +12,9 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from .errors import (AuthError, CheckpointError, ConfigError, GuestError, GuestTrap, HostDownError,  # noqa: F401
-                     HostDrainingError, KvferryError, MigrationError, ModelMismatchError, ModelNotFoundError,
-                     OutOfMemoryError, PromptTooLongError, RemoteError, SessionBusyError, SessionError,
-                     SessionExistsError, SessionMovedError, UnknownSessionError)
+                     HostDrainingError, InternalError, KvferryError, MigrationError, ModelMismatchError,
+                     ModelNotFoundError, OutOfMemoryError, PromptTooLongError, RemoteError, SessionBusyError,
+                     SessionError, SessionExistsError, SessionMovedError, UnknownSessionError)
 
 __version__ = "0.1.0"
 

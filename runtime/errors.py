@@ -136,6 +136,12 @@ class ForbiddenError(KvferryError):
     code, status = "permission_denied", "PERMISSION_DENIED"
 
 
+class InternalError(KvferryError):
+    """A fault inside the host (a bug, not the caller's input): the host logged its
+    traceback, and a session it hit keeps its state from before the call."""
+    code, status = "internal", "INTERNAL"
+
+
 class RemoteError(KvferryError):
     """The host refused or failed the call; the message says why. Raised by the
     SDK only, mixed into the class the host's ``code`` names."""

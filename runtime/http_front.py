@@ -141,7 +141,10 @@ class HttpFront:
                 self._key(request)
         except oa.HttpError as e:
             return self._error(e)
-        body = await self.loop.run_in_executor(self.pool, generate_latest, self.srv.host.metrics.registry)
+        try:
+            body = await self.loop.run_in_executor(self.pool, generate_latest, self.srv.host.metrics.registry)
+        except Exception as e:  # noqa: BLE001 - a scrape answers with an error object too
+            return self._error(e)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:

@@ -27,8 +27,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from . import addresses
 from .checkpoint.snapshot import snapshot
 from .drain import DRAIN_TIMEOUT, Drainer
-from .errors import (ConfigError, ForbiddenError, GuestError, HostDrainingError, KvferryError, ModelMismatchError,
-                     SessionBusyError, UnknownSessionError)
+from .errors import (ConfigError, ForbiddenError, GuestError, HostDrainingError, InternalError, KvferryError,
+                     ModelMismatchError, SessionBusyError, UnknownSessionError)
 from .keys import NOBODY, CallQuota, Key, Keyring
 from .host import ModelHost
 from .migration_in import Incoming, MigrationTarget, expire
@@ -179,14 +179,32 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
                          self.host.policy.session_ttl_s)
 
 
+def _aborted(context) -> bool:
+    """Whether the call already has its status: grpc's ``context.abort`` sets it, then
+    raises a bare Exception (read from grpc's servicer context, which keeps it there)."""
+    return bool(getattr(getattr(context, "_state", None), "aborted", False))
+
+
+def _internal(fn: Callable, e: Exception) -> InternalError:
+    """A bug's exception, logged whole here; the caller gets one line."""
+    log.error("internal error in %s", fn.__name__, exc_info=e)
+    return InternalError(f"internal error in {fn.__name__} ({type(e).__name__}: {e}); the host's log has the "
+                         "traceback")
+
+
 def _guarded(fn: Callable) -> Callable:
-    """Every KvferryError ends the call with its status and code (one line)."""
+    """Every KvferryError ends the call with its status and code (one line); anything
+    else is a bug: logged with its traceback, and reported as ``internal``."""
     @functools.wraps(fn)
     def wrapper(self, request, context):
         try:
             return fn(self, request, context)
         except KvferryError as e:
             abort(context, e)
+        except Exception as e:  # noqa: BLE001 (a bug: the caller still gets one line)
+            if _aborted(context):
+                raise
+            abort(context, _internal(fn, e))
     return wrapper
 
 
@@ -197,6 +215,10 @@ def _guarded_stream(fn: Callable) -> Callable:
             yield from fn(self, request, context)
         except KvferryError as e:
             abort(context, e)
+        except Exception as e:  # noqa: BLE001
+            if _aborted(context):
+                raise
+            abort(context, _internal(fn, e))
     return wrapper
 
 

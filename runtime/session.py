@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .checkpoint.snapshot import cache_kind
-from .errors import ConfigError, GuestAbiError, GuestError, PromptTooLongError, SessionError
+from .errors import ConfigError, GuestAbiError, GuestError, KvferryError, PromptTooLongError, SessionError
 from .guest import GuestLimits, GuestModule, MemoryImage
 from .params import SamplingParams, SessionOptions
 from .textstream import TextStream
@@ -333,6 +333,17 @@ class Session:
         self._prompt_left = 0 if tokens else n_prompt
 
     def _steps(self, replay_from: int | None = None) -> Iterator[TokenEvent]:
+        try:
+            yield from self._turn_steps(replay_from)
+        except KvferryError:
+            raise
+        except Exception:  # a bug ended the turn: the session takes its next message as if it never began
+            turn, self.turn = self.turn, None
+            if turn is not None and turn.record and self.messages:
+                self.messages.pop()  # its message (the next turn's prompt re-syncs the KV to what is kept)
+            raise
+
+    def _turn_steps(self, replay_from: int | None) -> Iterator[TokenEvent]:
         turn = self.turn
         if replay_from is not None:
             for i in range(max(0, replay_from), len(turn.tokens)):

@@ -487,6 +487,39 @@ def test_message_size_limit(tiny_model):
 
 
 
+def test_a_fault_inside_the_host_is_one_line_and_the_session_goes_on(tiny_model):
+    """A bug that breaks a turn (here: an injected exception in its first step) reaches
+    the client as one line, code ``internal``; the session is not stuck in that turn,
+    and its next reply is the one it would have given had the broken turn never begun."""
+    from kvferry.errors import InternalError
+    from kvferry.host import ModelHost
+    from kvferry.server import HostServer
+
+    host = ModelHost(str(tiny_model), progress=False)
+    srv = HostServer(host, "127.0.0.1:0", token=TOKEN).start()
+    try:
+        c = Client(srv.address, TOKEN)
+        s, twin = (c.create_session(max_tokens=6, ignore_eos=True) for _ in range(2))
+        assert "".join(s.send("Hello.")) == "".join(twin.send("Hello."))
+        real, calls = host.steps.guest_step, []
+
+        def broken(*a, **kw):
+            calls.append(1)
+            if len(calls) == 1:
+                raise IndexError("injected")
+            return real(*a, **kw)
+
+        host.steps.guest_step = broken
+        with pytest.raises(InternalError, match=r"internal error in Send \(IndexError: injected\)") as e:
+            "".join(s.send("A message the fault breaks."))
+        assert "\n" not in str(e.value)
+        assert "".join(s.send("Go on.")) == "".join(twin.send("Go on."))
+        assert [m["role"] for m in host.get(s.id).messages] == ["user", "assistant"] * 2
+    finally:
+        srv.stop()
+        host.close()
+
+
 def test_stream_interval_sends_several_tokens_a_message(tiny_model):
     """serve --stream-interval 4: the first token alone, then up to 4 a message. A
     client that did not ask for them still gets one a message, and the SDK hands

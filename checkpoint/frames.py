@@ -139,6 +139,10 @@ class FrameWriter:
         return t
 
 
+def _after_trailer(n: int) -> str:
+    return f"{n} byte{'s' if n != 1 else ''} after the trailer (the checkpoint ends there)"
+
+
 class FrameDecoder:
     """Incremental, verifying decoder: feed bytes in any chunking, get frames."""
 
@@ -153,7 +157,7 @@ class FrameDecoder:
 
     def feed(self, data: bytes) -> Iterator[Frame]:
         if self.done and data:
-            raise CheckpointError(f"{len(data)} bytes after the trailer")
+            raise CheckpointError(_after_trailer(len(data)))
         self.total += len(data)
         if self.total > self.max_total:
             raise CheckpointError(f"checkpoint exceeds {self.max_total} bytes")
@@ -162,6 +166,7 @@ class FrameDecoder:
             view = memoryview(data)
             used = yield from self._frames(view)
             self.buf += view[used:]
+            self._nothing_after_trailer()
             return
         self.buf += data
         if not self.have_preamble:
@@ -182,6 +187,12 @@ class FrameDecoder:
         finally:
             view.release()
         del self.buf[:used]
+        self._nothing_after_trailer()
+
+    def _nothing_after_trailer(self) -> None:
+        """Bytes in the same chunk as the trailer, after it (a later chunk is refused by feed)."""
+        if self.done and self.buf:
+            raise CheckpointError(_after_trailer(len(self.buf)))
 
     def _frames(self, buf: memoryview):
         """Verify and yield the whole frames at the start of ``buf``; returns the

@@ -290,6 +290,18 @@ def test_truncated(host, good):
     assert not host.sessions
 
 
+def test_bytes_after_the_trailer_are_refused(host, good):
+    """The trailer ends a checkpoint: a byte after it (in its chunk, in a later one, or a
+    byte inserted at the trailer body's end, which shifts its last byte out) is refused."""
+    last_byte_doubled = good[:-1] + good[-1:] * 2  # what the fuzzer found: accepted before
+    for chunks in ([good + b"0"], [good, b"0"], [last_byte_doubled]):
+        with pytest.raises(CheckpointError, match=r"^1 byte after the trailer \(the checkpoint ends there\)$"):
+            restore.restore(host, chunks)
+    with pytest.raises(CheckpointError, match=r"^7 bytes after the trailer"):
+        list(iter_frames([good + bytes(7)]))
+    assert not host.sessions
+
+
 def test_every_frame_bit_flip_is_caught(host, good):
     offs = frame_offsets(good)
     assert len(offs) > 5

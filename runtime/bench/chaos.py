@@ -78,6 +78,8 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
     token = secrets.token_urlsafe(16)
     stats = {"sessions_started": 0, "sessions_completed": 0, "tokens_duplicated": 0, "tokens_lost": 0,
              "migrations": 0, "migrations_refused": 0, "client_errors": 0}
+    refused_by: dict[str, int] = {}  # a refused migration's error code: why moves did not happen
+    errors_by: dict[str, int] = {}  # a client's error code
     lock = threading.Lock()
     sessions: dict[str, dict] = {}  # id -> {"host", "identical", "on_killed", "done"}
     with Net(3) as net, __import__("tempfile").TemporaryDirectory() as d:
@@ -119,9 +121,10 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
                         start = r.choice(sorted(alive))
                     try:
                         s = Client(start, token, timeout=60).create_session(max_tokens=MAX_TOKENS, ignore_eos=True)
-                    except KvferryError:
+                    except KvferryError as e:
                         with lock:
                             stats["client_errors"] += 1
+                            errors_by[e.code] = errors_by.get(e.code, 0) + 1
                         time.sleep(0.5)
                         continue
                     rec = {"host": s.host, "identical": True, "on_killed": False, "done": False, "handle": s}
@@ -147,6 +150,7 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
                         rec["host"], rec["error"] = s.host, f"{time.monotonic() - t_start:.1f}s {type(e).__name__}: {e}"
                         with lock:
                             stats["client_errors"] += 1
+                            errors_by[e.code] = errors_by.get(e.code, 0) + 1
                             if killed["address"] and rec["host"] == killed["address"]:
                                 rec["on_killed"] = True
 
@@ -165,6 +169,7 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
                     rec["moves"][-1] += f" {type(e).__name__}: {e}"
                     with lock:
                         stats["migrations_refused"] += 1
+                        refused_by[e.code] = refused_by.get(e.code, 0) + 1
                 finally:
                     rec["moving_to"] = None
                     movers.release()
@@ -238,7 +243,8 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
         finally:
             for h in hosts:
                 h.stop()
-    return {**stats, "duration_s": duration, "clients": clients, "hosts": 3,
+    return {**stats, "migrations_refused_by": refused_by, "client_errors_by": errors_by,
+            "duration_s": duration, "clients": clients, "hosts": 3,
             "sessions_on_killed_host": on_killed, "sessions_lost": lost, "lost_ids": lost_ids,
             "lost": [{k: v for k, v in sessions[sid].items() if k != "handle"} | {"id": sid} for sid in lost_ids],
             "sessions_saved_by_drain": len(saved), "host_logs": logs,

@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterable
 import grpc
 
 from .checkpoint.snapshot import Snapshotter
-from .errors import CODES, AuthError, ForbiddenError, HostDownError, KvferryError, MigrationError, RemoteError
+from .errors import (CODES, AuthError, ForbiddenError, HostDownError, KvferryError, MigrationError, RemoteError,
+                     UnknownSessionError)
 from .linkaware import PROBE_BYTES, SAMPLE_BYTES, choose, codec_costs
 from .migration_in import ACK_EVERY_BYTES, ACK_EVERY_FRAMES
 from .migration_wire import frame_message, write_message
@@ -187,6 +188,11 @@ class MigrationSource:
             log.warning("session %s: migration to %s failed: %s", sid, t.target, e)
             if link is not None:
                 link.abort()
+            if isinstance(e, Exception) and s.closed and self.host.sessions.get(sid) is not s:
+                # its client closed it between two stages (a close waits only for a turn): what
+                # failed was reading a closed session, which is not the reason to report
+                raise UnknownSessionError(f"session {sid} was closed during its migration to {t.target}; "
+                                          "nothing moved") from None
             raise
         finally:
             if link is not None:

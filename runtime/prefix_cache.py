@@ -61,8 +61,14 @@ class PrefixCache:
             return 0
         self.entries.move_to_end(best_key)
         layers = self.entries[best_key][1]
+        import mlx.core as mx
+
         for c, (k, v) in zip(session.cache, layers):
             c.update_and_fetch(k[..., :best, :], v[..., :best, :])  # into the session's own buffer
+        # evaluated here, on the thread that holds the compute lock: MLX streams belong to
+        # their thread, and the next to read this cache may be another (a migration's
+        # pre-copy, which failed with "There is no Stream(cpu, N) in current thread")
+        mx.eval([x for c in session.cache for x in (c.keys, c.values)])
         self.stats["hits"] += 1
         self.stats["reused_tokens"] += best
         return best

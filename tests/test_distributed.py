@@ -520,6 +520,37 @@ def test_a_fault_inside_the_host_is_one_line_and_the_session_goes_on(tiny_model)
         host.close()
 
 
+def test_a_session_closed_while_it_migrates_is_reported_as_closed(tiny_model):
+    """Its client closes it between the migration's pre-copy and its pause (a close waits
+    only for a turn): the migration fails as an unknown session that was closed, not as
+    the closed guest it then read, and the session is on neither host."""
+    from kvferry.host import ModelHost
+    from kvferry.server import HostServer
+
+    hs = [ModelHost(str(tiny_model), progress=False) for _ in range(2)]
+    a, b = (HostServer(h, "127.0.0.1:0", token=TOKEN).start() for h in hs)
+    a.peers = (b.address,)
+    try:
+        s = Client(a.address, TOKEN).create_session(max_tokens=4, ignore_eos=True)
+        "".join(s.send("Hello."))
+        pause = a.pause
+
+        def close_then_pause(sid, slot):
+            Client(a.address, TOKEN).session(sid).close()
+            return pause(sid, slot)
+
+        a.pause = close_then_pause
+        with pytest.raises(UnknownSessionError, match=f"session {s.id} was closed during its migration to "
+                                                      f"{b.address}; nothing moved"):
+            s.migrate(to=b.address, live=True)
+        assert s.id not in a.host.sessions and s.id not in b.host.sessions
+    finally:
+        a.stop()
+        b.stop()
+        for h in hs:
+            h.close()
+
+
 def test_stream_interval_sends_several_tokens_a_message(tiny_model):
     """serve --stream-interval 4: the first token alone, then up to 4 a message. A
     client that did not ask for them still gets one a message, and the SDK hands

@@ -79,6 +79,7 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
     stats = {"sessions_started": 0, "sessions_completed": 0, "tokens_duplicated": 0, "tokens_lost": 0,
              "migrations": 0, "migrations_refused": 0, "client_errors": 0}
     refused_by: dict[str, int] = {}  # a refused migration's error code: why moves did not happen
+    refused_said: dict[str, str] = {}  # the first refusal's message, by code
     errors_by: dict[str, int] = {}  # a client's error code
     lock = threading.Lock()
     sessions: dict[str, dict] = {}  # id -> {"host", "identical", "on_killed", "done"}
@@ -170,6 +171,7 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
                     with lock:
                         stats["migrations_refused"] += 1
                         refused_by[e.code] = refused_by.get(e.code, 0) + 1
+                        refused_said.setdefault(e.code, str(e))
                 finally:
                     rec["moving_to"] = None
                     movers.release()
@@ -243,7 +245,8 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
         finally:
             for h in hosts:
                 h.stop()
-    return {**stats, "migrations_refused_by": refused_by, "client_errors_by": errors_by,
+    return {**stats, "migrations_refused_by": refused_by, "migrations_refused_said": refused_said,
+            "client_errors_by": errors_by,
             "duration_s": duration, "clients": clients, "hosts": 3,
             "sessions_on_killed_host": on_killed, "sessions_lost": lost, "lost_ids": lost_ids,
             "lost": [{k: v for k, v in sessions[sid].items() if k != "handle"} | {"id": sid} for sid in lost_ids],

@@ -152,7 +152,6 @@ class StepScheduler(Speculation, StepForward):
             with self.host.compute:
                 logits = self._forward([req], [])
                 session.history.append(tokens[0])
-                self._settle()
             return logits[0], None
         self._enqueue(req)
         req.done.wait()
@@ -336,7 +335,6 @@ class StepScheduler(Speculation, StepForward):
                         mx.eval(logits, top.pairs)
                     elif top is not None:
                         mx.eval(top.pairs)  # (the logits are evaluated by now)
-                    self._settle()
             except Exception as e:  # noqa: BLE001 - the sessions of this step hear it, the loop goes on
                 err = e if isinstance(e, SessionError) else SessionError(f"model step failed: {e}")
                 self._fail(rows + [req for req, _ in plan], err)
@@ -417,17 +415,6 @@ class StepScheduler(Speculation, StepForward):
             with self.host.compute:
                 for s, caches in going:
                     self.shared.leave(s, caches)
-                self._settle()
-
-    def _settle(self) -> None:
-        """Schedule whatever is left lazy in the resident buffers before the compute lock
-        goes: MLX streams belong to their thread, and an op left unevaluated on this one
-        cannot be evaluated on another (a pre-copy failed with "There is no Stream(cpu, N)
-        in current thread"). Scheduled, not waited for: a speculated step keeps running."""
-        import mlx.core as mx
-
-        if self.shared is not None and self.shared.k:
-            mx.async_eval(self.shared.k + self.shared.v)
 
     def _fail(self, reqs: list[_Request], err: Exception) -> None:
         with self.cv:

@@ -46,6 +46,8 @@ class PrefixCache:
         """Put the KV of the longest cached prefix of ``tokens`` (all but the last,
         which is decoded in a batch) into ``session``'s empty cache; return its
         length, 0 when none is long enough."""
+        import mlx.core as mx
+
         if not self.budget or len(tokens) <= MIN_TOKENS:
             return 0
         want = np.asarray(tokens[:-1], dtype=np.int64)
@@ -61,8 +63,6 @@ class PrefixCache:
             return 0
         self.entries.move_to_end(best_key)
         layers = self.entries[best_key][1]
-        import mlx.core as mx
-
         for c, (k, v) in zip(session.cache, layers):
             c.update_and_fetch(k[..., :best, :], v[..., :best, :])  # into the session's own buffer
         # evaluated here, on the thread that holds the compute lock: MLX streams belong to

@@ -192,19 +192,24 @@ def _internal(fn: Callable, e: Exception) -> InternalError:
                          "traceback")
 
 
+def _end_call(fn: Callable, context, e: Exception) -> None:
+    """A KvferryError ends the call with its status and code (one line); anything else
+    is a bug: logged with its traceback, and reported as ``internal`` (unless the call
+    already has its status: grpc's abort raises after setting it)."""
+    if isinstance(e, KvferryError):
+        abort(context, e)
+    if _aborted(context):
+        raise e
+    abort(context, _internal(fn, e))
+
+
 def _guarded(fn: Callable) -> Callable:
-    """Every KvferryError ends the call with its status and code (one line); anything
-    else is a bug: logged with its traceback, and reported as ``internal``."""
     @functools.wraps(fn)
     def wrapper(self, request, context):
         try:
             return fn(self, request, context)
-        except KvferryError as e:
-            abort(context, e)
-        except Exception as e:  # noqa: BLE001 (a bug: the caller still gets one line)
-            if _aborted(context):
-                raise
-            abort(context, _internal(fn, e))
+        except Exception as e:  # noqa: BLE001 (a bug too: the caller still gets one line)
+            _end_call(fn, context, e)
     return wrapper
 
 
@@ -213,12 +218,8 @@ def _guarded_stream(fn: Callable) -> Callable:
     def wrapper(self, request, context):
         try:
             yield from fn(self, request, context)
-        except KvferryError as e:
-            abort(context, e)
         except Exception as e:  # noqa: BLE001
-            if _aborted(context):
-                raise
-            abort(context, _internal(fn, e))
+            _end_call(fn, context, e)
     return wrapper
 
 

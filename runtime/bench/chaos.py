@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 SCRIPTS = [["Name a color.", "And another one?", "And a third?"], ["What is 2 + 3?", "And 4 + 4?", "And 5 + 1?"],
            ["Name a fruit.", "And a vegetable?", "And a tree?"], ["Say hello.", "Say goodbye.", "Say thanks."]]
@@ -78,9 +79,9 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
     token = secrets.token_urlsafe(16)
     stats = {"sessions_started": 0, "sessions_completed": 0, "tokens_duplicated": 0, "tokens_lost": 0,
              "migrations": 0, "migrations_refused": 0, "client_errors": 0}
-    refused_by: dict[str, int] = {}  # a refused migration's error code: why moves did not happen
+    refused_by: Counter[str] = Counter()  # a refused migration's error code: why moves did not happen
     refused_said: dict[str, str] = {}  # the first refusal's message, by code
-    errors_by: dict[str, int] = {}  # a client's error code
+    errors_by: Counter[str] = Counter()  # a client's error code
     lock = threading.Lock()
     sessions: dict[str, dict] = {}  # id -> {"host", "identical", "on_killed", "done"}
     with Net(3) as net, __import__("tempfile").TemporaryDirectory() as d:
@@ -125,7 +126,7 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
                     except KvferryError as e:
                         with lock:
                             stats["client_errors"] += 1
-                            errors_by[e.code] = errors_by.get(e.code, 0) + 1
+                            errors_by[e.code] += 1
                         time.sleep(0.5)
                         continue
                     rec = {"host": s.host, "identical": True, "on_killed": False, "done": False, "handle": s}
@@ -151,7 +152,7 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
                         rec["host"], rec["error"] = s.host, f"{time.monotonic() - t_start:.1f}s {type(e).__name__}: {e}"
                         with lock:
                             stats["client_errors"] += 1
-                            errors_by[e.code] = errors_by.get(e.code, 0) + 1
+                            errors_by[e.code] += 1
                             if killed["address"] and rec["host"] == killed["address"]:
                                 rec["on_killed"] = True
 
@@ -170,7 +171,7 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
                     rec["moves"][-1] += f" {type(e).__name__}: {e}"
                     with lock:
                         stats["migrations_refused"] += 1
-                        refused_by[e.code] = refused_by.get(e.code, 0) + 1
+                        refused_by[e.code] += 1
                         refused_said.setdefault(e.code, str(e))
                 finally:
                     rec["moving_to"] = None
@@ -245,8 +246,8 @@ def run(duration: float = 120.0, clients: int = 8, seed: int = 0, progress=print
         finally:
             for h in hosts:
                 h.stop()
-    return {**stats, "migrations_refused_by": refused_by, "migrations_refused_said": refused_said,
-            "client_errors_by": errors_by,
+    return {**stats, "migrations_refused_by": dict(refused_by), "migrations_refused_said": refused_said,
+            "client_errors_by": dict(errors_by),
             "duration_s": duration, "clients": clients, "hosts": 3,
             "sessions_on_killed_host": on_killed, "sessions_lost": lost, "lost_ids": lost_ids,
             "lost": [{k: v for k, v in sessions[sid].items() if k != "handle"} | {"id": sid} for sid in lost_ids],

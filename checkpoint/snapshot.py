@@ -36,7 +36,8 @@ DEVICE_BATCH_BYTES = 64 << 20  # KV copied on an accelerator before one wait: bo
 
 class Snapshotter:
     """Emits a session's checkpoint frame by frame (``session``: a
-    :class:`kvferry.session.Session`; only its ``state()``, ``history`` and ``lm`` are read)."""
+    :class:`kvferry.session.Session`; only its ``state()``, ``history``, ``lm`` and
+    ``host.compute``, the lock its host's steps hold, are read)."""
 
     def __init__(self, session: Any, mode: str = "lossless"):
         if mode not in codecs.MODES:
@@ -52,6 +53,14 @@ class Snapshotter:
         self._due = 0.0
         self.epoch = self.st.kv_epoch
         self.busy = {"extract": 0.0, "encode": 0.0}  # seconds spent copying KV out, and framing it
+        self.lock = getattr(getattr(session, "host", None), "compute", None)
+
+    def shared(self) -> bool:
+        """Whether the session's KV lives in buffers its host shares between sessions
+        (kvferry.resident): other sessions' steps rewrite those, and leave them lazy on
+        their own thread while they build a step, so even a paused session's KV is read
+        under the compute lock."""
+        return bool(self.caches) and cache_kind(self.caches[0]) != type(self.caches[0]).__name__
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token occupies across all layers (sizes pre-copy chunks)."""
@@ -89,14 +98,14 @@ class Snapshotter:
         return self.w.frame(HEADER, head)
 
     def extract(self, upto: int | None = None, lock=None, budget: float = 0.002,
-                chunk: int | None = None) -> Iterator[tuple]:
+                chunk: int | None = None, per_hold: int | None = None) -> Iterator[tuple]:
         """Copy the KV of tokens [sent_tokens, upto) out of the cache, layer by layer
         (and with ``chunk``, in token ranges of at most that many tokens).
 
         With ``lock`` (the host's compute lock, for a session that may be
         generating) the copies happen under short holds of about ``budget``
-        seconds (at least one piece each): steps only append, so the range stays
-        valid between holds. Copies, not views: a view would pin the cache's
+        seconds (at least one piece each, at most ``per_hold``): steps only append, so
+        the range stays valid between holds. Copies, not views: a view would pin the cache's
         buffer and make every later step copy the whole cache instead of
         updating it in place. Yielded pieces may live in reused scratch memory:
         use each before asking for the next (as :meth:`encode` does)."""
@@ -111,10 +120,10 @@ class Snapshotter:
         step = max(1, chunk or n - t0)
         pieces = [(i, a, min(a + step, n)) for i in range(len(caches)) for a in range(t0, n, step)]
         if not host_memory():
-            yield from self._extract_device(pieces, n, lock)
+            yield from self._extract_device(pieces, n, lock, per_hold)
             return
         if self.kind == "KVCache" and np_kind(caches[0].state[0].dtype) is not None:
-            yield from self._extract_np(pieces, n, lock, budget)
+            yield from self._extract_np(pieces, n, lock, budget, per_hold)
             return
         j = 0
         while j < len(pieces):
@@ -144,7 +153,8 @@ class Snapshotter:
             raise CheckpointError(f"layer {i} cache holds {state[2]} tokens, history has {n}")
         return state
 
-    def _extract_device(self, pieces: list[tuple[int, int, int]], n: int, lock) -> Iterator[tuple]:
+    def _extract_device(self, pieces: list[tuple[int, int, int]], n: int, lock,
+                        per_hold: int | None = None) -> Iterator[tuple]:
         """:meth:`extract` on an accelerator: a hold only queues device copies of a
         few pieces (microseconds); they are waited for once, after it, and read on
         the host. Waiting inside the hold, as the CPU does, waited for the step in
@@ -159,7 +169,7 @@ class Snapshotter:
         the device moves in microseconds."""
         import mlx.core as mx
 
-        per_hold = 8 if lock is not None else len(pieces)
+        per_hold = per_hold or (8 if lock is not None else len(pieces))
         j = 0
         while j < len(pieces):
             queued, size = [], 0
@@ -197,7 +207,8 @@ class Snapshotter:
             for i, a, b, (k, v), meta in read:
                 yield (i, a, b, k[0], v[0], None) if meta is None else (i, a, b, k, v, meta)
 
-    def _extract_np(self, pieces: list[tuple[int, int, int]], n: int, lock, budget: float) -> Iterator[tuple]:
+    def _extract_np(self, pieces: list[tuple[int, int, int]], n: int, lock, budget: float,
+                    per_hold: int | None = None) -> Iterator[tuple]:
         """:meth:`extract` for float32/float16 ``KVCache``: numpy copies pieces
         straight out of MLX's buffers (no MLX op, so nothing is queued on the
         stream a generating session uses) into scratch memory reused from hold to
@@ -205,7 +216,7 @@ class Snapshotter:
         a VM, and inside a hold they would stall the next step. The yielded arrays
         are valid until the next piece is asked for: :meth:`encode` copies them
         into a frame first."""
-        per_hold = 8 if lock is not None else 1
+        per_hold = per_hold or (8 if lock is not None else 1)
         pool: list[np.ndarray] = []  # keys and values scratch for each piece of a hold
         j = 0
         while j < len(pieces):
@@ -268,8 +279,18 @@ class Snapshotter:
             yield self.w.frame(KV, {"batch": bodies})
 
     def kv(self, upto: int | None = None, batch: bool = False) -> Iterator[bytes]:
-        """KV frames for tokens [sent_tokens, upto) of every layer (a delta)."""
-        yield from self.encode(self.extract(upto), batch)
+        """KV frames for tokens [sent_tokens, upto) of every layer (a delta) of a
+        session held still. Shared buffers are read under the compute lock: a small
+        delta (``batch``) in one hold, so a live migration's pause waits for at most
+        one step of the others; a whole KV in holds of ~1 MB pieces, up to 10 ms each."""
+        if self.lock is None or not self.shared():
+            yield from self.encode(self.extract(upto), batch)
+        elif batch:
+            yield from self.encode(self.extract(upto, lock=self.lock, budget=float("inf"),
+                                                per_hold=len(self.caches)), batch)
+        else:
+            chunk = max(16, (1 << 20) // max(1, self.kv_bytes_per_token() // len(self.caches)))
+            yield from self.encode(self.extract(upto, lock=self.lock, budget=0.01, chunk=chunk, per_hold=16), batch)
 
     def _enc(self, u: np.ndarray, dtype: str, exact: bool = False, role: str = "values",
              borrow: bool = False) -> dict:

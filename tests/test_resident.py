@@ -126,3 +126,53 @@ def test_sizes_read_from_other_threads_while_rows_join_and_leave():
         sys.setswitchinterval(interval)
     assert errors == []
     assert sum(c.nbytes for s in sessions for c in s.cache) == want and rows.k == []
+
+
+def test_a_checkpoint_of_a_resident_session_waits_for_a_step_being_built(smollm):
+    """A session held still (a live migration's pause, a drain) is still resident, and
+    the step thread rewrites the shared buffers for the others, leaving them lazy on its
+    own stream while it builds a step. Its checkpoint once read them then, unlocked:
+    "There is no Stream(cpu, N) in current thread" (1 live move in ~30 under stress).
+    Its reads now wait for the compute lock, and get the KV bit for bit."""
+    import threading
+    import time
+
+    import mlx.core as mx
+
+    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(shared_kv=True))
+    rows = h.steps.shared
+    try:
+        a, b = (h.create_session(sampling=SamplingParams(max_tokens=1, ignore_eos=True)) for _ in range(2))
+        for s, prompt in ((a, "A short prompt."), (b, "Another prompt, a little longer.")):
+            "".join(e.text for e in s.send(prompt))
+        want = kv(a)
+        with h.compute:
+            assert rows.take([a, b])
+            mx.eval(rows.k + rows.v)
+        building = threading.Event()
+
+        def step():  # what the step thread does to the buffers: ops built, evaluated before the lock goes
+            try:
+                with h.compute:
+                    for bufs in (rows.k, rows.v):
+                        for j, buf in enumerate(bufs):
+                            bufs[j] = buf * 1
+                    building.set()
+                    time.sleep(0.3)
+                    mx.eval(rows.k + rows.v)
+            finally:
+                mx.clear_streams()  # (this thread's streams go with it: ml-explore/mlx#3395)
+
+        t = threading.Thread(target=step)
+        t.start()
+        assert building.wait(10)
+        try:
+            data = b"".join(snapshot.snapshot(a))
+        finally:
+            t.join()
+        r = restore.restore(h, [data], session_id="copy-of-a")
+        assert all(np.array_equal(x, y) for got, ref in zip(kv(r), want) for x, y in zip(got, ref))
+        for s in (a, b, r):
+            h.close_session(s.id)
+    finally:
+        h.close()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import threading
 import time
@@ -43,6 +44,8 @@ from .prompt_budget import PromptBudget
 from .speculation import Speculation
 from .step_forward import StepForward
 
+
+log = logging.getLogger("kvferry.steps")
 
 _LIVE: "weakref.WeakSet[StepScheduler]" = weakref.WeakSet()
 
@@ -319,22 +322,26 @@ class StepScheduler(Speculation, StepForward):
             try:
                 with self.host.compute:
                     t_lock = time.perf_counter()
-                    rows, plan = self._open_only(rows, plan)
-                    guessing = self.guessing(rows, plan)  # the next step is queued before this one is waited for
-                    logits = self._step(rows, plan, wait=not guessing)
-                    # greedy guests read this, not the logits; a guess is its argmax
-                    top = StepTop1(logits) if logits and (guessing or self.device_top1) else None
-                    for r in rows:  # the history moves with the cache, under the compute lock
-                        r.session.history.append(r.tokens[-1])  # (pre-copy reads both)
-                    for req, chunk in plan:
-                        req.session.history.extend(chunk)
-                        if req.fresh and len(req.tokens) == 1:  # its prompt is in: others may start from it
-                            self.host.prefix.keep(req.session)
-                    if guessing:
-                        self._guess(rows, logits, top)
-                        mx.eval(logits, top.pairs)
-                    elif top is not None:
-                        mx.eval(top.pairs)  # (the logits are evaluated by now)
+                    try:
+                        rows, plan = self._open_only(rows, plan)
+                        guessing = self.guessing(rows, plan)  # the next step is queued before this one is waited for
+                        logits = self._step(rows, plan, wait=not guessing)
+                        # greedy guests read this, not the logits; a guess is its argmax
+                        top = StepTop1(logits) if logits and (guessing or self.device_top1) else None
+                        for r in rows:  # the history moves with the cache, under the compute lock
+                            r.session.history.append(r.tokens[-1])  # (pre-copy reads both)
+                        for req, chunk in plan:
+                            req.session.history.extend(chunk)
+                            if req.fresh and len(req.tokens) == 1:  # its prompt is in: others may start from it
+                                self.host.prefix.keep(req.session)
+                        if guessing:
+                            self._guess(rows, logits, top)
+                            mx.eval(logits, top.pairs)
+                        elif top is not None:
+                            mx.eval(top.pairs)  # (the logits are evaluated by now)
+                    except Exception:
+                        self._settle()
+                        raise
             except Exception as e:  # noqa: BLE001 - the sessions of this step hear it, the loop goes on
                 err = e if isinstance(e, SessionError) else SessionError(f"model step failed: {e}")
                 self._fail(rows + [req for req, _ in plan], err)
@@ -361,6 +368,20 @@ class StepScheduler(Speculation, StepForward):
             with self.cv:  # the gather window opens once every row has its logits or its token
                 self._last = time.monotonic()
         self._fail(list(self.prefills) + list(self.decodes), SessionError("this host is shutting down"))
+
+    def _settle(self) -> None:
+        """After a step failed: the shared buffers may hold what it built before it
+        failed (K/V writes one past each row's offset, harmless), lazy on this
+        thread's stream, where no other thread can evaluate them: a checkpoint or a
+        pre-copy of a resident session would fail with "There is no Stream(cpu, N)
+        in current thread". Evaluated here, before the compute lock goes."""
+        import mlx.core as mx
+
+        if self.shared is not None and self.shared.k:
+            try:
+                mx.eval(self.shared.k + self.shared.v)
+            except Exception as e:  # noqa: BLE001 - the step's own error is the one reported
+                log.warning("the resident buffers could not be evaluated after a failed step: %s", e)
 
     def _reuse(self, prompts: list[_Request]) -> None:
         """New sessions' first prompts start from the longest prefix this host has

@@ -176,3 +176,78 @@ def test_a_checkpoint_of_a_resident_session_waits_for_a_step_being_built(smollm)
             h.close_session(s.id)
     finally:
         h.close()
+
+
+def test_a_failed_resident_step_leaves_the_buffers_readable(smollm):
+    """A step that fails while it is being built has already written some layers' K/V
+    into the shared buffers, lazily, on the step thread's stream. The next holder of the
+    compute lock (a pre-copy, a checkpoint of another resident session) must be able to
+    read them: the step thread evaluates them before it lets the lock go."""
+    import threading
+    import time
+
+    import mlx.core as mx
+
+    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(shared_kv=True))
+    rows, layers = h.steps.shared, h.lm.model.model.layers
+    middle = len(layers) // 2
+    armed, read, errors = threading.Event(), [], []
+
+    def reader():  # queued for the lock while the failing step holds it: served next
+        try:
+            with h.compute:
+                read.extend(np.array(x).shape for x in rows.k + rows.v)
+        except Exception as e:  # noqa: BLE001 (the failure under test)
+            errors.append(repr(e))
+        finally:
+            mx.clear_streams()
+
+    class Failing:
+        def __init__(self, layer):
+            self.layer = layer
+
+        def __getattr__(self, name):  # the model reads its layers' settings
+            return getattr(self.layer, name)
+
+        def __call__(self, *args, **kwargs):
+            if armed.is_set() and rows.k and type(args[0]) is mx.array and args[0].shape[0] > 1:
+                armed.clear()
+                t = threading.Thread(target=reader)
+                t.start()
+                time.sleep(0.3)  # the reader takes its ticket for the lock
+                raise RuntimeError("a fault injected mid-step")
+            return self.layer(*args, **kwargs)
+
+    layers[middle] = Failing(layers[middle])
+    try:
+        sessions = [h.create_session(sampling=SamplingParams(max_tokens=40, ignore_eos=True)) for _ in range(2)]
+        outcome = {}
+
+        def chat(s):
+            try:
+                outcome[s.id] = len(list(s.send("Tell me about ferries.")))
+            except Exception as e:  # noqa: BLE001 - the injected fault, as the session hears it
+                outcome[s.id] = str(e)
+
+        ts = [threading.Thread(target=chat, args=(s,)) for s in sessions]
+        for t in ts:
+            t.start()
+        deadline = time.time() + 60
+        while not h.steps.stats["resident_steps"] and time.time() < deadline:
+            time.sleep(0.01)
+        armed.set()
+        for t in ts:
+            t.join(120)
+        deadline = time.time() + 10
+        while not (read or errors) and time.time() < deadline:
+            time.sleep(0.01)
+        assert not armed.is_set(), "no resident step ran after the fault was armed"
+        assert errors == [] and len(read) == 2 * len(layers)
+        assert any("a fault injected mid-step" in str(o) for o in outcome.values())
+        layers[middle] = layers[middle].layer
+        again = h.create_session(sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len([e for e in again.send("And now?") if e.token >= 0]) == 4  # the host goes on
+    finally:
+        if isinstance(layers[middle], Failing):
+            layers[middle] = layers[middle].layer
+        h.close()

@@ -340,7 +340,7 @@ class StepScheduler(Speculation, StepForward):
                         elif top is not None:
                             mx.eval(top.pairs)  # (the logits are evaluated by now)
                     except Exception:
-                        self._settle()
+                        self._settle(rows + [req for req, _ in plan])
                         raise
             except Exception as e:  # noqa: BLE001 - the sessions of this step hear it, the loop goes on
                 err = e if isinstance(e, SessionError) else SessionError(f"model step failed: {e}")
@@ -369,19 +369,24 @@ class StepScheduler(Speculation, StepForward):
                 self._last = time.monotonic()
         self._fail(list(self.prefills) + list(self.decodes), SessionError("this host is shutting down"))
 
-    def _settle(self) -> None:
-        """After a step failed: the shared buffers may hold what it built before it
-        failed (K/V writes one past each row's offset, harmless), lazy on this
-        thread's stream, where no other thread can evaluate them: a checkpoint or a
-        pre-copy of a resident session would fail with "There is no Stream(cpu, N)
-        in current thread". Evaluated here, before the compute lock goes."""
+    def _settle(self, reqs: list) -> None:
+        """After a step failed (or its guess): what it built before it failed (K/V
+        writes one past each row's offset, harmless) is lazy on this thread's stream,
+        in the shared buffers and in the caches of ``reqs``' sessions, where no other
+        thread can evaluate it: a checkpoint or a pre-copy would fail with "There is
+        no Stream(cpu, N) in current thread". Evaluated here, before the lock goes."""
         import mlx.core as mx
 
-        if self.shared is not None and self.shared.k:
-            try:
-                mx.eval(self.shared.k + self.shared.v)
-            except Exception as e:  # noqa: BLE001 - the step's own error is the one reported
-                log.warning("the resident buffers could not be evaluated after a failed step: %s", e)
+        arrays = list(self.shared.k + self.shared.v) if self.shared is not None else []
+        for r in reqs:
+            for c in r.session.cache:
+                for name in ("keys", "values"):  # a resident cache has none of its own: its row is in the buffers
+                    x = c.__dict__.get(name)
+                    arrays.extend(x if isinstance(x, (list, tuple)) else [] if x is None else [x])
+        try:
+            mx.eval(arrays)
+        except Exception as e:  # noqa: BLE001 - the step's own error is the one reported
+            log.warning("the caches could not be evaluated after a failed step: %s", e)
 
     def _reuse(self, prompts: list[_Request]) -> None:
         """New sessions' first prompts start from the longest prefix this host has

@@ -119,6 +119,7 @@ class Speculation:
         try:
             nxt = self._forward([self.request(r.session, [-1]) for r in rows], [], wait=False, tokens=guess[:, None])
         except Exception:  # noqa: BLE001 - only a head start: the step itself goes on
+            self._settle(rows)  # (what it built so far is not left lazy on this thread)
             nxt = None
         for r, offs in zip(rows, offsets):
             for c, o in zip(r.session.cache, offs):

@@ -178,6 +178,22 @@ def test_a_checkpoint_of_a_resident_session_waits_for_a_step_being_built(smollm)
         h.close()
 
 
+class FailingLayer:
+    """A model layer that raises once, when ``armed`` and ``when(*args)`` says so."""
+
+    def __init__(self, layer, armed, when=lambda *args: True):
+        self.layer, self.armed, self.when = layer, armed, when
+
+    def __getattr__(self, name):  # the model reads its layers' settings
+        return getattr(self.layer, name)
+
+    def __call__(self, *args, **kwargs):
+        if self.armed.is_set() and self.when(*args):
+            self.armed.clear()
+            raise RuntimeError("a fault injected mid-step")
+        return self.layer(*args, **kwargs)
+
+
 def test_a_failed_resident_step_leaves_the_buffers_readable(smollm):
     """A step that fails while it is being built has already written some layers' K/V
     into the shared buffers, lazily, on the step thread's stream. The next holder of the
@@ -191,34 +207,27 @@ def test_a_failed_resident_step_leaves_the_buffers_readable(smollm):
     h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(shared_kv=True))
     rows, layers = h.steps.shared, h.lm.model.model.layers
     middle = len(layers) // 2
-    armed, read, errors = threading.Event(), [], []
+    armed, read, errors, readers = threading.Event(), [], [], []
 
     def reader():  # queued for the lock while the failing step holds it: served next
         try:
             with h.compute:
-                read.extend(np.array(x).shape for x in rows.k + rows.v)
+                shapes = [np.array(x).shape for x in rows.k + rows.v]
+            read.extend(shapes)
         except Exception as e:  # noqa: BLE001 (the failure under test)
             errors.append(repr(e))
         finally:
             mx.clear_streams()
 
-    class Failing:
-        def __init__(self, layer):
-            self.layer = layer
+    def fault(*args):  # in a resident step, with a reader queued for the lock
+        if not (rows.k and args[0].shape[0] > 1):
+            return False
+        readers.append(threading.Thread(target=reader))
+        readers[-1].start()
+        time.sleep(0.3)  # the reader takes its ticket for the lock
+        return True
 
-        def __getattr__(self, name):  # the model reads its layers' settings
-            return getattr(self.layer, name)
-
-        def __call__(self, *args, **kwargs):
-            if armed.is_set() and rows.k and type(args[0]) is mx.array and args[0].shape[0] > 1:
-                armed.clear()
-                t = threading.Thread(target=reader)
-                t.start()
-                time.sleep(0.3)  # the reader takes its ticket for the lock
-                raise RuntimeError("a fault injected mid-step")
-            return self.layer(*args, **kwargs)
-
-    layers[middle] = Failing(layers[middle])
+    layers[middle] = FailingLayer(layers[middle], armed, fault)
     try:
         sessions = [h.create_session(sampling=SamplingParams(max_tokens=40, ignore_eos=True)) for _ in range(2)]
         outcome = {}
@@ -238,16 +247,52 @@ def test_a_failed_resident_step_leaves_the_buffers_readable(smollm):
         armed.set()
         for t in ts:
             t.join(120)
-        deadline = time.time() + 10
-        while not (read or errors) and time.time() < deadline:
-            time.sleep(0.01)
-        assert not armed.is_set(), "no resident step ran after the fault was armed"
+        assert not armed.is_set() and readers, "no resident step ran after the fault was armed"
+        readers[0].join(30)
         assert errors == [] and len(read) == 2 * len(layers)
         assert any("a fault injected mid-step" in str(o) for o in outcome.values())
         layers[middle] = layers[middle].layer
         again = h.create_session(sampling=SamplingParams(max_tokens=4, ignore_eos=True))
         assert len([e for e in again.send("And now?") if e.token >= 0]) == 4  # the host goes on
     finally:
-        if isinstance(layers[middle], Failing):
+        if isinstance(layers[middle], FailingLayer):
+            layers[middle] = layers[middle].layer
+        h.close()
+
+
+def test_a_failed_step_leaves_the_sessions_own_cache_readable(smollm):
+    """The same for a session on a cache of its own: the layers its failed step
+    reached wrote into it lazily on the step thread; a checkpoint taken afterwards,
+    on another thread, reads the cache (once "There is no Stream(cpu, N)")."""
+    import threading
+
+    import mlx.core as mx
+
+    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(shared_kv=False))
+    layers = h.lm.model.model.layers
+    middle, armed = len(layers) // 2, threading.Event()
+    layers[middle] = FailingLayer(layers[middle], armed)
+    try:
+        s = h.create_session(sampling=SamplingParams(max_tokens=8, ignore_eos=True))
+        assert len([e for e in s.send("Tell me about ferries.") if e.token >= 0]) == 8
+        armed.set()
+        with pytest.raises(Exception, match="a fault injected mid-step"):
+            list(s.send("And more?"))
+        assert not armed.is_set()
+        data = []
+        def take():
+            try:
+                data.append(b"".join(snapshot.snapshot(s)))
+            finally:
+                mx.clear_streams()  # (this thread's streams go with it: ml-explore/mlx#3395)
+
+        t = threading.Thread(target=take)
+        t.start()
+        t.join(60)
+        assert data and data[0]
+        r = restore.restore(h, data, session_id="copy")
+        assert r.history == s.history
+    finally:
+        if isinstance(layers[middle], FailingLayer):
             layers[middle] = layers[middle].layer
         h.close()

@@ -326,11 +326,16 @@ class Guest:
     def has_export(self, name: str) -> bool:
         return name in self.module.exports
 
+    def check_alive(self) -> None:
+        """Refuse, in one line, a guest that an earlier call left unusable (a trap, or a
+        host call that failed under it: its memory is as that call left it, midway)."""
+        if self.dead:
+            raise GuestTrap(f"guest '{self.name}' is unusable after an earlier failure: {self.dead}")
+
     def call(self, export: str, *args: Any, deadline_ms: float | None = None) -> Any:
         """Call an export under the guest's deadline (``deadline_ms``: a shorter one for
         this call); traps become GuestTrap."""
-        if self.dead:
-            raise GuestTrap(f"guest '{self.name}' is unusable after an earlier failure: {self.dead}")
+        self.check_alive()
         fn = self._funcs.get(export)
         if fn is None:
             f = self._exports[export] if export in self.module.exports else None

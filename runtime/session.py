@@ -293,6 +293,7 @@ class Session:
         return full[common:]
 
     def _turn(self, full: list[int], record: bool, max_tokens: int = 0) -> Iterator[TokenEvent]:
+        self.guest.check_alive()  # (a turn a failure ended stays "in progress": say what ended it)
         if self.turn is not None:
             raise SessionError(f"session {self.id}: a turn is already in progress")
         # With --ctx the cache slides, so only this turn's new tokens must fit.
@@ -318,6 +319,7 @@ class Session:
     def continue_turn(self, from_index: int = 0) -> Iterator[TokenEvent]:
         """Continue the turn in progress (e.g. after a migration): first re-send the
         tokens from ``from_index`` the client has not seen, then generate on."""
+        self.guest.check_alive()
         if self.turn is None:
             raise SessionError(f"session {self.id} has no turn in progress")
         return self._steps(replay_from=from_index)

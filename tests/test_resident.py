@@ -8,6 +8,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from kvferry.checkpoint import restore, snapshot
+from kvferry.errors import GuestTrap
 from kvferry.host import ModelHost
 from kvferry.params import SamplingParams
 from kvferry.policy import HostPolicy
@@ -292,6 +293,9 @@ def test_a_failed_step_leaves_the_sessions_own_cache_readable(smollm):
         assert data and data[0]
         r = restore.restore(h, data, session_id="copy")
         assert r.history == s.history
+        # the failure came through the guest's model call, midway: its session says so, in one line
+        with pytest.raises(GuestTrap, match="unusable after an earlier failure: SessionError: model step failed"):
+            list(s.send("And more?"))
     finally:
         if isinstance(layers[middle], FailingLayer):
             layers[middle] = layers[middle].layer

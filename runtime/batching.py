@@ -153,7 +153,11 @@ class StepScheduler(Speculation, StepForward):
             if len(tokens) != 1:
                 raise SessionError("a driven guest step prefills nothing")
             with self.host.compute:
-                logits = self._forward([req], [])
+                try:
+                    logits = self._forward([req], [])
+                except Exception:
+                    self._settle([req])
+                    raise
                 session.history.append(tokens[0])
             return logits[0], None
         self._enqueue(req)

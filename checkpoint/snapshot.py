@@ -73,6 +73,11 @@ class Snapshotter:
             total += c.nbytes // max(1, cap)
         return total
 
+    def chunk_tokens(self, piece_bytes: int) -> int:
+        """Tokens of one layer that make about ``piece_bytes`` of KV (at least 16): the
+        ``chunk`` of :meth:`extract`."""
+        return max(16, piece_bytes // max(1, self.kv_bytes_per_token() // len(self.caches)))
+
     @property
     def incremental(self) -> bool:
         return self.kind in ("KVCache", "QuantizedKVCache")
@@ -289,8 +294,8 @@ class Snapshotter:
             yield from self.encode(self.extract(upto, lock=self.lock, budget=float("inf"),
                                                 per_hold=len(self.caches)), batch)
         else:
-            chunk = max(16, (1 << 20) // max(1, self.kv_bytes_per_token() // len(self.caches)))
-            yield from self.encode(self.extract(upto, lock=self.lock, budget=0.01, chunk=chunk, per_hold=16), batch)
+            yield from self.encode(self.extract(upto, lock=self.lock, budget=0.01, chunk=self.chunk_tokens(1 << 20),
+                                                per_hold=16), batch)
 
     def _enc(self, u: np.ndarray, dtype: str, exact: bool = False, role: str = "values",
              borrow: bool = False) -> dict:

@@ -374,11 +374,13 @@ class StepScheduler(Speculation, StepForward):
         self._fail(list(self.prefills) + list(self.decodes), SessionError("this host is shutting down"))
 
     def _settle(self, reqs: list) -> None:
-        """After a step failed (or its guess): what it built before it failed (K/V
-        writes one past each row's offset, harmless) is lazy on this thread's stream,
-        in the shared buffers and in the caches of ``reqs``' sessions, where no other
-        thread can evaluate it: a checkpoint or a pre-copy would fail with "There is
-        no Stream(cpu, N) in current thread". Evaluated here, before the lock goes."""
+        """After a step failed (or its guess): what it built before it failed (the K/V
+        of the layers it reached) is lazy on this thread's stream, in the shared buffers
+        and in the caches of ``reqs``' sessions, where no other thread can evaluate it:
+        a checkpoint or a pre-copy would fail with "There is no Stream(cpu, N) in current
+        thread". Evaluated here, before the lock goes. (Own caches may be left with the
+        layers it reached one chunk further on; their sessions' guests heard the failure
+        midway and are unusable, and a checkpoint reads only the history's tokens.)"""
         import mlx.core as mx
 
         arrays = list(self.shared.k + self.shared.v) if self.shared is not None else []

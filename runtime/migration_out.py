@@ -127,7 +127,7 @@ class MigrationSource:
         try:
             link = _Link(self, t, s, sid, on_ack=progress)
             link.send([sn.header()])
-            chunk = max(16, PRECOPY_CHUNK // max(1, sn.kv_bytes_per_token() // len(sn.caches)))
+            chunk = sn.chunk_tokens(PRECOPY_CHUNK)
             if t.mode == "auto":
                 t.choice = self._probe_link(s, sn, link, t, chunk)
             if t.live and sn.incremental:

@@ -83,7 +83,7 @@ def _rep(downtime, identical=True, **kw):
             "handoff_over_normal_ms": 10.0, "normal_gap_ms": 70.0, "twin_worst_gap_over_median_ms": 20.0,
             "total_ms": 900.0, "pause_ms": 9.0, "bytes": 1000, "migration_started_at": 8, "handoff_at": 20,
             "gaps_ms": [70, 71], "identical": identical, "mid_reply": True, "phases_ms": {"final": 3.0},
-            "precopy_worst_over_normal": downtime / 40.0, **kw}
+            "precopy_worst_over_normal": downtime / 40.0, "twin_worst_over_median": 1.5, **kw}
 
 
 def test_bench_migrate_row_is_the_median_rep():
@@ -100,6 +100,7 @@ def test_bench_migrate_row_is_the_median_rep():
     assert t["live_downtime_max_ms"] == 45.0 and t["live_downtime_worst_rep_ms"] == 90.0
     assert t["live_downtime_ratio_largest_vs_smallest"] == round(45.0 / 40.0, 2)
     assert t["live_precopy_worst_over_normal"] == 90.0 / 40.0  # the worst rep's steps beside pre-copy
+    assert t["live_twin_worst_over_median"] == 1.5
 
 
 def test_bench_migrate_rejects_zero_reps():

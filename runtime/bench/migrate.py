@@ -248,6 +248,8 @@ def _one(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, live:
                 "handoff_over_normal_ms": round((gaps[end - 1] - normal) * 1000, 1) if handoff else None,
                 "normal_gap_ms": round(normal * 1000, 1),
                 "twin_worst_gap_over_median_ms": round((max(tw) - statistics.median(tg)) * 1000, 1) if tw else None,
+                # the same ratio as precopy_worst_over_normal for the twin, which nothing disturbs
+                "twin_worst_over_median": round(max(tw) / statistics.median(tg), 2) if tw else None,
                 "total_ms": round(mig.seconds * 1000, 1), "pause_ms": round(mig.pause_ms, 1),
                 "bytes": mig.bytes, "raw_kv_bytes": mig.raw_kv_bytes, "phases_ms": mig.phases_ms,
                 "transfer_mb_s": mig.transfer_mb_s,
@@ -266,7 +268,7 @@ def _one(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, live:
 
 PER_REP = ("downtime_ms", "handoff_gap_ms", "handoff_over_normal_ms", "normal_gap_ms",
            "twin_worst_gap_over_median_ms", "total_ms", "pause_ms", "bytes", "migration_started_at",
-           "handoff_at", "gaps_ms", "phases_ms", "precopy_worst_over_normal")
+           "handoff_at", "gaps_ms", "phases_ms", "precopy_worst_over_normal", "twin_worst_over_median")
 
 
 def aggregate(runs: list[dict]) -> dict:
@@ -293,6 +295,8 @@ def _targets(rows: list[dict], transfers: list[dict] = ()) -> dict:
                                              default=None)}
     pre = [x for r in live.values() for x in r["precopy_worst_over_normal_reps"] if x is not None]
     out["live_precopy_worst_over_normal"] = max(pre, default=None)
+    twin = [x for r in live.values() for x in r["twin_worst_over_median_reps"] if x is not None]
+    out["live_twin_worst_over_median"] = max(twin, default=None)
     if live:
         lo, hi = min(live), max(live)
         out["live_downtime_ratio_largest_vs_smallest"] = round(

@@ -330,17 +330,33 @@ def build_parser() -> argparse.ArgumentParser:
 _SAMPLING_FLAGS = ("--temp", "--top-p", "--top-k", "--seed", "--max-tokens", "--stop", "--ignore-eos")
 
 
+class _Stop:
+    """One SIGTERM stops a bench once. ``caught`` turns true when main() has caught the
+    KeyboardInterrupt it raised: a SIGTERM after that (another one, or one re-sent by
+    _interrupt_again below) is let go. Raised there, between main()'s return and the
+    process's exit, it would escape main() and Python would die of SIGINT (exit -2, a
+    CI run) instead of exiting 130 with its hosts stopped."""
+    caught = False
+
+
 def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+    if not _Stop.caught:
+        raise KeyboardInterrupt
+
+
+def _send_again() -> None:
+    if not _Stop.caught:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _interrupt_again(unraisable, default=sys.unraisablehook) -> None:
     """Python drops what a gc callback or a ``__del__`` raises. A SIGTERM (or Ctrl-C) whose
     KeyboardInterrupt landed in one (kvferry.collector's, in a CI run) would leave a bench
     running to its end: a SIGTERM is sent again, to land in the bench's own code (its handler,
-    installed with this hook, raises the same KeyboardInterrupt as Ctrl-C)."""
+    installed with this hook, raises the same KeyboardInterrupt as Ctrl-C), unless the bench
+    has stopped by then."""
     if unraisable.exc_type is KeyboardInterrupt:
-        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        threading.Timer(0.05, _send_again).start()
     else:
         default(unraisable)
 
@@ -365,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvferry: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        _Stop.caught = True
         return 130
     except BrokenPipeError:  # `kvferry … | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -197,6 +197,29 @@ def test_a_sigterm_that_lands_in_a_gc_callback_still_stops_a_bench():
     assert time.time() - t0 < 15 and "Traceback" not in r.stderr, r.stderr
 
 
+def test_a_sigterm_after_a_bench_stopped_does_not_kill_it_with_sigint():
+    """A CI run's bench, stopped by SIGTERM, exited -2 instead of 130: a KeyboardInterrupt
+    raised after main() had caught the first one escapes it, and Python then dies of SIGINT.
+    Here the second SIGTERM is the one _interrupt_again re-sends (the first KeyboardInterrupt
+    also landed in a gc callback), arriving once the bench has unwound."""
+    code = """if True:
+        import argparse, sys, time, types
+        from kvferry import cli
+        def bench(args):
+            cli._interrupt_again(types.SimpleNamespace(exc_type=KeyboardInterrupt))  # re-sent in 50 ms
+            raise KeyboardInterrupt  # the bench unwinds at once
+        parser = argparse.ArgumentParser()
+        parser.set_defaults(fn=bench, cmd="bench")
+        cli.build_parser = lambda: parser
+        code = cli.main([])
+        time.sleep(0.3)  # the re-sent SIGTERM arrives here
+        print("exits", code)
+        sys.exit(code)
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout.strip()) == (130, "exits 130"), r.stderr
+
+
 def test_a_bench_stopped_with_sigterm_stops_the_host_it_started(smollm_dir):
     """`timeout 60 kvferry bench serve …` (SIGTERM) stops the served host it started
     (its own process group: Ray's processes and the host actor with it) instead of

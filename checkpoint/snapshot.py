@@ -63,14 +63,19 @@ class Snapshotter:
         return bool(self.caches) and cache_kind(self.caches[0]) != type(self.caches[0]).__name__
 
     def kv_bytes_per_token(self) -> int:
-        """KV bytes one token occupies across all layers (sizes pre-copy chunks)."""
+        """KV bytes one token occupies across all layers (sizes pre-copy chunks): a buffer's
+        bytes over its own length, which a KVCache's capacity (steps of 256) or, in a host's
+        shared buffers, the longest session resident pads. A resident row answers without
+        its views, which are lazy ops on the shared buffers (this runs on migration threads)."""
         total = 0
         for c in self.caches:
             if c.empty():
                 continue
-            keys = c.state[0]
-            cap = (keys[0] if isinstance(keys, (list, tuple)) else keys).shape[2]
-            total += c.nbytes // max(1, cap)
+            one = getattr(c, "token_bytes", None)  # a resident row's (its views are lazy ops)
+            if one is None:
+                parts = [p for buf in (c.keys, c.values) for p in (buf if isinstance(buf, (list, tuple)) else [buf])]
+                one = sum(p.nbytes // max(1, p.shape[2]) for p in parts)
+            total += one
         return total
 
     def chunk_tokens(self, piece_bytes: int) -> int:

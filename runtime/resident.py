@@ -53,14 +53,14 @@ class ResidentKV(KVCache):
 
     # sizes answer without the buffers: other threads ask at any moment (a metrics scrape,
     # admission's KV budget), while the step thread may be replacing or giving them back
-    _token_bytes: int  # one token's K and V in this layer
+    token_bytes: int  # one token's K and V in this layer
 
     def empty(self) -> bool:
         return False
 
     @property
     def nbytes(self) -> int:
-        return self._token_bytes * self._rows.tokens  # the row, as its views would count it
+        return self.token_bytes * self._rows.tokens  # the row, as its views would count it
 
     def update_and_fetch(self, keys, values):
         prev, n = self.offset, keys.shape[2]
@@ -176,7 +176,7 @@ class ResidentRows:
         # it, and the session's own buffers are dropped only once the properties shadow them
         for j, c in enumerate(caches):
             k, v = self.k[j], self.v[j]
-            c._token_bytes = (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * k.dtype.size
+            c.token_bytes = (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * k.dtype.size
             c._rows, c._layer, c._row = self, j, row
             c.__class__ = ResidentKV  # the properties answer from the row from here on
             c.__dict__.pop("keys", None)

@@ -300,3 +300,29 @@ def test_a_failed_step_leaves_the_sessions_own_cache_readable(smollm):
         if isinstance(layers[middle], FailingLayer):
             layers[middle] = layers[middle].layer
         h.close()
+
+
+def test_pre_copy_pieces_are_sized_by_one_tokens_bytes_not_the_padded_buffers(smollm):
+    """A resident row is as long as the host's longest session and its growth, and a
+    KVCache's buffer as its capacity: per-token bytes must not come from the length in
+    use (pre-copy's ~1 MB pieces would be up to ~16× smaller than asked)."""
+    from kvferry.checkpoint.snapshot import Snapshotter
+
+    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(shared_kv=True))
+    try:
+        short, long = (h.create_session(sampling=SamplingParams(max_tokens=1, ignore_eos=True)) for _ in range(2))
+        "".join(e.text for e in short.send("Hi."))
+        "".join(e.text for e in long.send("A longer prompt about ferries and their crews."))
+        one = short.kv_token_bytes()  # keys and values of every layer, from the model's shape
+        assert isinstance(short.cache[0], KVCache) and short.cache[0].keys.shape[2] > 2 * len(short.history)
+        assert Snapshotter(short).kv_bytes_per_token() == one  # its own cache, padded to capacity
+        import mlx.core as mx
+
+        with h.compute:
+            assert h.steps.shared.take([short, long])
+            mx.eval(h.steps.shared.k + h.steps.shared.v)  # (built here, not on the step thread)
+        assert isinstance(short.cache[0], ResidentKV) and h.steps.shared.tokens > 2 * len(short.history)
+        assert Snapshotter(short).kv_bytes_per_token() == one  # a row padded to the longest session
+        assert Snapshotter(short).chunk_tokens(1 << 20) == (1 << 20) // (one // len(short.cache))
+    finally:
+        h.close()

@@ -293,6 +293,9 @@ def test_a_failed_step_leaves_the_sessions_own_cache_readable(smollm):
         assert data and data[0]
         r = restore.restore(h, data, session_id="copy")
         assert r.history == s.history
+        # the copy continues the failed turn (docs/sessions.md), then takes a new message
+        assert [e.token for e in r.continue_turn(0) if e.token >= 0]
+        assert [e.token for e in r.send("Thanks.") if e.token >= 0]
         # the failure came through the guest's model call, midway: its session says so, in one line
         with pytest.raises(GuestTrap, match="unusable after an earlier failure: SessionError: model step failed"):
             list(s.send("And more?"))

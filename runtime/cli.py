@@ -363,6 +363,7 @@ def _interrupt_again(unraisable, default=sys.unraisablehook) -> None:
 
 def stop_on_sigterm() -> None:
     """SIGTERM (`timeout`, a job runner) unwinds this process as Ctrl-C does, whatever it was running."""
+    _Stop.caught = False  # (main() may run again in one process: a test's)
     signal.signal(signal.SIGTERM, _interrupt)
     sys.unraisablehook = _interrupt_again
 

@@ -309,6 +309,8 @@ def test_pre_copy_pieces_are_sized_by_one_tokens_bytes_not_the_padded_buffers(sm
     """A resident row is as long as the host's longest session and its growth, and a
     KVCache's buffer as its capacity: per-token bytes must not come from the length in
     use (pre-copy's ~1 MB pieces would be up to ~16× smaller than asked)."""
+    import mlx.core as mx
+
     from kvferry.checkpoint.snapshot import Snapshotter
 
     h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(shared_kv=True))
@@ -319,8 +321,6 @@ def test_pre_copy_pieces_are_sized_by_one_tokens_bytes_not_the_padded_buffers(sm
         one = short.kv_token_bytes()  # keys and values of every layer, from the model's shape
         assert isinstance(short.cache[0], KVCache) and short.cache[0].keys.shape[2] > 2 * len(short.history)
         assert Snapshotter(short).kv_bytes_per_token() == one  # its own cache, padded to capacity
-        import mlx.core as mx
-
         with h.compute:
             assert h.steps.shared.take([short, long])
             mx.eval(h.steps.shared.k + h.steps.shared.v)  # (built here, not on the step thread)

@@ -239,6 +239,7 @@ def _one(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, live:
         # the noise floor: the unmigrated twin's worst gap over the same stretch of its reply
         tg = [y - x for x, y in zip(twin_stamps, twin_stamps[1:])]
         tw = tg[max(0, idx - 1): end] or tg
+        tmed = statistics.median(tg) if tw else None
         pre = gaps[max(0, idx - 1): end - 1] if handoff else window  # the steps beside pre-copy
         return {"context": n_ctx, "mode": "live" if live else "stop-copy",
                 "precopy_worst_gap_ms": round(max(pre) * 1000, 1) if pre else None,
@@ -247,9 +248,9 @@ def _one(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, live:
                 "handoff_gap_ms": round(gaps[end - 1] * 1000, 1) if handoff else None,
                 "handoff_over_normal_ms": round((gaps[end - 1] - normal) * 1000, 1) if handoff else None,
                 "normal_gap_ms": round(normal * 1000, 1),
-                "twin_worst_gap_over_median_ms": round((max(tw) - statistics.median(tg)) * 1000, 1) if tw else None,
+                "twin_worst_gap_over_median_ms": round((max(tw) - tmed) * 1000, 1) if tw else None,
                 # the same ratio as precopy_worst_over_normal for the twin, which nothing disturbs
-                "twin_worst_over_median": round(max(tw) / statistics.median(tg), 2) if tw else None,
+                "twin_worst_over_median": round(max(tw) / tmed, 2) if tw else None,
                 "total_ms": round(mig.seconds * 1000, 1), "pause_ms": round(mig.pause_ms, 1),
                 "bytes": mig.bytes, "raw_kv_bytes": mig.raw_kv_bytes, "phases_ms": mig.phases_ms,
                 "transfer_mb_s": mig.transfer_mb_s,
@@ -293,10 +294,8 @@ def _targets(rows: list[dict], transfers: list[dict] = ()) -> dict:
            "live_downtime_max_ms": max((r["downtime_ms"] for r in live.values()), default=None),
            "live_downtime_worst_rep_ms": max((r["downtime_ms_worst_rep"] for r in live.values()),
                                              default=None)}
-    pre = [x for r in live.values() for x in r["precopy_worst_over_normal_reps"] if x is not None]
-    out["live_precopy_worst_over_normal"] = max(pre, default=None)
-    twin = [x for r in live.values() for x in r["twin_worst_over_median_reps"] if x is not None]
-    out["live_twin_worst_over_median"] = max(twin, default=None)
+    for key in ("precopy_worst_over_normal", "twin_worst_over_median"):  # the worst live rep's
+        out[f"live_{key}"] = max((x for r in live.values() for x in r[f"{key}_reps"] if x is not None), default=None)
     if live:
         lo, hi = min(live), max(live)
         out["live_downtime_ratio_largest_vs_smallest"] = round(

@@ -105,6 +105,8 @@ def cmd_serve(a) -> int:
         raise KvferryError(f"--http-port {a.http_port}: must be a port number (0..65535; 0: any free port)")
     if a.drain_timeout <= 0:
         raise KvferryError(f"--drain-timeout must be positive, not {a.drain_timeout}")
+    if not -1 <= a.lane_port <= 65535:
+        raise KvferryError(f"--lane-port {a.lane_port}: must be a port number (0: any free port; -1: no lane)")
     from .models import resolve
 
     resolve(a.model)  # an unknown model is one line here, not the host actor's traceback (imports a GGUF once)
@@ -113,7 +115,7 @@ def cmd_serve(a) -> int:
           max_kv_bytes=int(a.max_kv_mb * 1e6) if a.max_kv_mb else None, advertise=a.advertise,
           peers=peers, drain_dir=a.drain_dir or "", drain_timeout=a.drain_timeout, tokens_file=a.tokens,
           policy=policy, http_port=a.http_port, metrics_public=a.metrics_public, log_format=a.log_format,
-          dtype=a.dtype)
+          dtype=a.dtype, lane_port=None if a.lane_port < 0 else a.lane_port)
     return 0
 
 
@@ -166,12 +168,12 @@ def cmd_migrate(a) -> int:
     if a.rate < 0:
         raise KvferryError(f"--rate must be positive, not {a.rate}")
     m = s.migrate(a.to, to_token=a.to_token, mode=a.mode, live=not a.stop_copy, rate_mb_s=a.rate,
-                  allow_lossy=a.allow_lossy, progress=progress)
+                  allow_lossy=a.allow_lossy, lane=not a.no_lane, progress=progress)
     bar.close()
     out = {"session": a.session, "target": m.target, "bytes": m.bytes, "seconds": round(m.seconds, 4),
            "raw_kv_bytes": m.raw_kv_bytes, "ratio": round(m.ratio, 3), "tokens": m.tokens,
            "pause_ms": round(m.pause_ms, 2), "live": not a.stop_copy, "mode": m.mode,
-           "transfer_mb_s": m.transfer_mb_s, "phases_ms": m.phases_ms}
+           "transfer_mb_s": m.transfer_mb_s, "phases_ms": m.phases_ms, "transport": m.transport}
     if a.json:
         print_json(out)
     else:
@@ -230,6 +232,10 @@ def register(sub, add: Callable) -> None:
     sv.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT, metavar="S",
                     help=f"SIGTERM or `kvferry drain` moves every session to a peer within S seconds "
                          f"(default {DRAIN_TIMEOUT:g}: inside systemd's and launchd's stop timeouts in deploy/)")
+    sv.add_argument("--lane-port", type=int, default=0, metavar="PORT",
+                    help="where peers send a migration's KV frames, on a socket beside the gRPC stream (same "
+                         "bind address, TLS and auth; default 0: any free port, told to each peer on the "
+                         "stream; -1: none, the frames go on the stream). Fix it where a firewall filters")
     sv.add_argument("--drain-dir", metavar="DIR", help="where a drain saves the sessions no peer takes; they "
                     "are restored when a host starts with it (default: $KVFERRY_HOME/drain/<address>)")
     sv.add_argument("--token", help="the admin key (default: $KVFERRY_TOKEN or $KVFERRY_HOME/token); "
@@ -304,6 +310,8 @@ def register(sub, add: Callable) -> None:
                     help="how the KV travels: auto (default: measured on this link, raw or lossless, int8 with "
                          "--allow-lossy), raw, lossless (~1.2x smaller), int8/int4 (lossy)")
     mg.add_argument("--allow-lossy", action="store_true", help="let --mode auto pick int8 on slow links")
+    mg.add_argument("--no-lane", action="store_true", help="keep the KV frames on the gRPC stream, not on the "
+                    "target's lane (a socket beside it; docs/migration.md)")
     mg.add_argument("--rate", type=float, default=0.0, metavar="MB/S",
                     help="live pre-copy: MB/s of KV at most (default 0: about 3 MB per decode step of "
                          "the session, so generation keeps its pace; 40 MB/s if it is not generating)")

@@ -100,7 +100,7 @@ class SessionHost:
         """``keys_file``: see kvferry.keys.hand_over (None: no auth); ``policy``: a
         HostPolicy's fields; ``http_port``: serve the OpenAI API there too
         (kvferry.http_front); ``server``: HostServer's options (allow_no_auth,
-        advertise, peers, drain_dir, drain_timeout)."""
+        advertise, peers, drain_dir, drain_timeout, lane_port)."""
         from .logs import setup
 
         setup(log_format)

@@ -4,6 +4,7 @@ mid-reply generates on at once, before its client reconnects."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,11 +12,14 @@ from typing import Any
 from .checkpoint.frames import FrameDecoder
 from .checkpoint.restore import Restorer
 from .errors import KvferryError, MigrationError, ModelMismatchError, SessionExistsError
+from .migration_lane import Inbox, LaneBroken, LaneFrame
 from .migration_wire import FrameView, read_message
 from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
 from .slots import Slot, TurnFeed
 from .transport import MIGRATION_SERVICE, abort
+
+log = logging.getLogger("kvferry.migration")
 
 RUNNING_WAIT = 5.0  # s: how long the target waits for a landed turn's first token before it reports
 # the target acks this often (< the source's window): about every pre-copy frame of
@@ -78,8 +82,12 @@ class MigrationTarget(pbg.MigrationServicer):
         inc: Incoming | None = None
         mid = ""
         acked_seq, unacked = 0, 0
+        inbox, ticket = Inbox(request_iterator), b""
         try:
-            for msg in request_iterator:
+            for msg in inbox:
+                if isinstance(msg, LaneBroken):
+                    log.warning("migration %s: its lane broke (%s); the source resumes on a new one", mid, msg.why)
+                    continue
                 kind = "frame" if isinstance(msg, FrameView) else msg.WhichOneof("kind")
                 if inc is not None:
                     inc.touched = time.monotonic()
@@ -104,10 +112,17 @@ class MigrationTarget(pbg.MigrationServicer):
                             srv.incoming[b.migration_id] = inc
                         mid = b.migration_id
                     acked_seq, unacked = inc.next_seq, 0
-                    yield pb.MigrationAck(state="ready" if inc.prepared is None else "restored",
-                                          next_seq=inc.next_seq, session_id=inc.session_id)
+                    ready = pb.MigrationAck(state="ready" if inc.prepared is None else "restored",
+                                            next_seq=inc.next_seq, session_id=inc.session_id)
+                    if b.lane and srv.lane is not None and not ticket:  # one lane a stream
+                        ticket = srv.lane.issue(inbox)
+                        ready.lane_port, ready.lane_ticket = srv.lane.port, ticket
+                        inbox.merge()
+                    yield ready
                 elif kind == "frame":
                     if inc is None:
+                        if mid and isinstance(msg, FrameView):
+                            continue  # a lane's frame sent before the stream's abort or commit
                         raise KvferryError("frame before begin")
                     f = msg if isinstance(msg, FrameView) else msg.frame
                     if f.seq < inc.next_seq:
@@ -122,6 +137,8 @@ class MigrationTarget(pbg.MigrationServicer):
                     inc.land_s += landed - began
                     inc.next_seq += 1
                     unacked += len(data)
+                    if isinstance(f, LaneFrame):
+                        f.release()  # its buffer back to the lane: what landed was copied out
                     if inc.decoder.done and inc.prepared is None:
                         inc.prepared = inc.restorer.commit()
                         yield pb.MigrationAck(state="restored", next_seq=inc.next_seq, session_id=inc.session_id,
@@ -188,6 +205,10 @@ class MigrationTarget(pbg.MigrationServicer):
             if not isinstance(e, KvferryError):  # a malformed message: one line, not UNKNOWN
                 e = MigrationError(f"malformed migration message ({type(e).__name__}: {e})")
             abort(context, e)
+        finally:
+            inbox.close()
+            if ticket:
+                srv.lane.revoke(ticket)
 
     def Status(self, ref, context):
         return pb.MigrationAck(state=status(self.srv, ref.migration_id), session_id=ref.session_id)

@@ -16,11 +16,13 @@ from typing import Any, Callable, Iterable
 
 import grpc
 
+from . import addresses
 from .checkpoint.snapshot import Snapshotter
 from .errors import (CODES, AuthError, ForbiddenError, HostDownError, KvferryError, MigrationError, RemoteError,
                      UnknownSessionError)
 from .linkaware import PROBE_BYTES, SAMPLE_BYTES, choose, codec_costs
 from .migration_in import ACK_EVERY_BYTES, ACK_EVERY_FRAMES
+from .migration_lane import LaneWriter
 from .migration_wire import frame_message, write_message
 from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
@@ -37,6 +39,7 @@ PRECOPY_STEP_BYTES = 3 << 20  # live pre-copy default: ~3 MB of KV per step of t
 PRECOPY_RATE = 40e6  # ... and 40 MB/s while it is not generating
 PRECOPY_MAX = {"cpu": 80e6, "gpu": 1e9}  # pace cap: a CPU's generation shares its memory bandwidth
 PRECOPY_CHUNK = 3 << 19  # pre-copy frames carry ~1.5 MB of one layer's KV (a token range)
+LANE_TRIES = 2  # lanes a migration opens at most (a failed one, then the stream only)
 
 
 def precopy_rate(s, device: str = "cpu") -> float:
@@ -69,6 +72,7 @@ class MigrationTicket:
     choice: Any = None  # mode auto: what it measured and chose (kvferry.linkaware.Choice)
     phases_ms: dict = field(default_factory=dict)  # where the migration's time went (MigrateProgress)
     transfer_mb_s: float = 0.0
+    lane: bool = True  # ask the target for a lane for the KV frames (kvferry.migration_lane)
 
 
 class InDoubt(Exception):
@@ -203,7 +207,8 @@ class MigrationSource:
                                           frames_total=len(link.frames), done=True, target=t.target,
                                           seconds=time.perf_counter() - t0, raw_kv_bytes=sn.raw_kv_bytes,
                                           tokens=len(s.history), pause_ms=t.pause_ms, mode=sn.mode,
-                                          phases_ms=t.phases_ms, transfer_mb_s=t.transfer_mb_s))
+                                          phases_ms=t.phases_ms, transfer_mb_s=t.transfer_mb_s,
+                                          transport=link.transport))
 
     def _probe_link(self, s: Any, sn: Snapshotter, link: "_Link", t: MigrationTicket, chunk: int) -> Any:
         """Mode auto: send the first KV raw and unpaced, time the link by the target's
@@ -287,6 +292,10 @@ class _Link:
         self.reqs: "queue.Queue[Any] | None" = None
         self.acks = None
         self.ch = None
+        self.lane: LaneWriter | None = None
+        self.lane_broken = False  # this stream's lane failed: the stream is cancelled to resume
+        self.lane_failures = 0  # lanes that failed to open or broke: after LANE_TRIES, the stream only
+        self.transport = ""  # how the last frame went: lane | stream
         self._connect()
 
     def _connect(self) -> None:
@@ -301,13 +310,41 @@ class _Link:
                                          response_deserializer=pb.MigrationAck.FromString)
         self.acks = transfer(gen(), metadata=auth_metadata(self.t.token or self.srv.token), timeout=600)
         q.put(pb.MigrationMessage(begin=pb.Begin(migration_id=self.mid, session_id=self.sid,
-                                                 fingerprint=self.s.lm.fingerprint, source=self.srv.address)))
+                                                 fingerprint=self.s.lm.fingerprint, source=self.srv.address,
+                                                 lane=self.t.lane and self.lane_failures < LANE_TRIES)))
         ack = next(self.acks)
         for seq in range(self.acked, min(ack.next_seq, len(self.frames))):
             self.frames[seq] = b""  # verified by the target: never resent, so not kept
         self.acked, self.state = max(self.acked, ack.next_seq), ack.state
+        if ack.lane_port:
+            self._open_lane(ack.lane_port, ack.lane_ticket)
         for seq in range(self.acked, len(self.frames)):  # resume: resend what was not verified
-            q.put(frame_message(seq, self.frames[seq]))
+            self._put(seq, self.frames[seq])
+
+    def _open_lane(self, port: int, ticket: bytes) -> None:
+        """Dial the target's lane; on failure the frames stay on the stream."""
+        host, _ = addresses.split(self.t.target)
+        try:
+            self.lane = LaneWriter(host, port, ticket, self.srv.client_tls, self._lane_broke)
+        except (OSError, ValueError) as e:
+            self.lane_failures += 1
+            log.warning("migration to %s: no lane (%s: %s); the KV goes on the stream", self.t.target,
+                        type(e).__name__, e)
+
+    def _lane_broke(self, lane: LaneWriter) -> None:
+        """(The lane's thread) Cancel the stream, so the reader of acks reconnects."""
+        if lane is self.lane and self.acks is not None:
+            self.lane_broken = True
+            self.lane_failures += 1
+            self.acks.cancel()
+
+    def _put(self, seq: int, frame: bytes) -> None:
+        if self.lane is not None:
+            self.lane.put(seq, frame)
+            self.transport = "lane"
+        else:
+            self.reqs.put(frame_message(seq, frame))
+            self.transport = "stream"
 
     @property
     def bytes(self) -> int:
@@ -327,7 +364,8 @@ class _Link:
         except StopIteration:
             raise MigrationError(f"migration to {self.t.target} failed: the target closed the stream") from None
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE:
+            if e.code() != grpc.StatusCode.UNAVAILABLE and not (
+                    self.lane_broken and e.code() == grpc.StatusCode.CANCELLED):
                 raise
             self._reconnect()
             return
@@ -357,7 +395,7 @@ class _Link:
             while self.acked < len(self.frames) and (
                     len(self.frames) - self.acked >= WINDOW_FRAMES or self.unacked_bytes >= WINDOW_BYTES):
                 self._next_ack()
-            self.reqs.put(frame_message(len(self.frames), f))
+            self._put(len(self.frames), f)
             self.frames.append(f)
             self.ends.append(self.bytes + len(f))
 
@@ -454,8 +492,11 @@ class _Link:
             pass
 
     def close(self) -> None:
+        if self.lane is not None:
+            self.lane.close()
         if self.reqs is not None:
             self.reqs.put(None)
         if self.ch is not None:
             self.ch.close()
-        self.reqs = self.ch = None
+        self.reqs = self.ch = self.lane = None
+        self.lane_broken = False

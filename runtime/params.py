@@ -88,4 +88,4 @@ OPTIONS = SessionOptions()
 
 MIGRATE_MODES = ("auto", "raw", "lossless", "int8", "int4")
 DRAIN_TIMEOUT = 45.0  # s: inside systemd's default 90 s stop timeout (and the units' own), with Ray's shutdown after
-MIGRATE_DEFAULTS = {"mode": "auto", "live": True, "rate_mb_s": 0.0, "allow_lossy": False}
+MIGRATE_DEFAULTS = {"mode": "auto", "live": True, "rate_mb_s": 0.0, "allow_lossy": False, "lane": True}

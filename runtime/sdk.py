@@ -162,21 +162,23 @@ class RemoteSession:
 
     def migrate(self, to: str, *, to_token: str | None = None, mode: str = MIGRATE_DEFAULTS["mode"],
                 live: bool = MIGRATE_DEFAULTS["live"], rate_mb_s: float = MIGRATE_DEFAULTS["rate_mb_s"],
-                allow_lossy: bool = MIGRATE_DEFAULTS["allow_lossy"],
+                allow_lossy: bool = MIGRATE_DEFAULTS["allow_lossy"], lane: bool = MIGRATE_DEFAULTS["lane"],
                 progress: Callable[[pb.MigrateProgress], None] | None = None) -> Migration:
         """Move this session to host ``to``. ``live`` (default): pre-copy while the
         reply keeps generating, at most ``rate_mb_s`` MB/s (0: the host paces it at
         about 3 MB per decode step); ``live=False``: stop-and-copy. ``mode``: how KV
         travels: ``auto`` (default) times this link and these CPUs on the first KV
         and picks the fastest of raw and lossless (and int8 with ``allow_lossy``);
-        or ``raw``, ``lossless`` (~1.2x fewer bytes), ``int8``/``int4`` (lossy)."""
+        or ``raw``, ``lossless`` (~1.2x fewer bytes), ``int8``/``int4`` (lossy). ``lane``
+        (default): the KV frames go on a socket of their own beside the gRPC stream when
+        the target offers one; False keeps them on the stream."""
         c = self.client
 
         def attempt(host: str) -> pb.MigrateProgress | None:
             last = None
             try:
-                for p in c._stub(host).Migrate(migrate_request(self.id, to, to_token, mode, live, rate_mb_s, allow_lossy),
-                                               metadata=c._meta(), timeout=c.timeout):
+                req = migrate_request(self.id, to, to_token, mode, live, rate_mb_s, allow_lossy, lane)
+                for p in c._stub(host).Migrate(req, metadata=c._meta(), timeout=c.timeout):
                     last = p
                     if progress:
                         progress(p)
@@ -315,15 +317,15 @@ class AsyncRemoteSession:
 
     async def migrate(self, to: str, *, to_token: str | None = None, mode: str = MIGRATE_DEFAULTS["mode"],
                       live: bool = MIGRATE_DEFAULTS["live"], rate_mb_s: float = MIGRATE_DEFAULTS["rate_mb_s"],
-                      allow_lossy: bool = MIGRATE_DEFAULTS["allow_lossy"],
+                      allow_lossy: bool = MIGRATE_DEFAULTS["allow_lossy"], lane: bool = MIGRATE_DEFAULTS["lane"],
                       progress: Callable[[pb.MigrateProgress], None] | None = None) -> Migration:
         c = self.client
 
         async def attempt(host: str) -> pb.MigrateProgress | None:
             last = None
             try:
-                async for p in c._stub(host).Migrate(migrate_request(self.id, to, to_token, mode, live, rate_mb_s, allow_lossy),
-                                                     metadata=c._meta(), timeout=c.timeout):
+                req = migrate_request(self.id, to, to_token, mode, live, rate_mb_s, allow_lossy, lane)
+                async for p in c._stub(host).Migrate(req, metadata=c._meta(), timeout=c.timeout):
                     last = p
                     if progress:
                         progress(p)

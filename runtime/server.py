@@ -32,6 +32,7 @@ from .errors import (ConfigError, ForbiddenError, GuestError, HostDrainingError,
 from .keys import NOBODY, CallQuota, Key, Keyring
 from .host import ModelHost
 from .migration_in import Incoming, MigrationTarget, expire
+from .migration_lane import LaneListener
 from .migration_out import MigrationSource, MigrationTicket
 from .params import MIGRATE_DEFAULTS, MIGRATE_MODES, SAMPLING, SamplingParams, SessionOptions
 from .paths import home
@@ -71,11 +72,13 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
                  tls: TLSConfig | None = None, client_tls: TLSConfig | None = None,
                  directory: Any = None, node: str | None = None, allow_no_auth: bool = False,
                  advertise: str | None = None, peers: tuple[str, ...] = (), drain_dir: str | None = None,
-                 drain_timeout: float = DRAIN_TIMEOUT, keys: Keyring | None = None):
+                 drain_timeout: float = DRAIN_TIMEOUT, keys: Keyring | None = None, lane_port: int | None = 0):
         """``advertise``: the HOST:PORT clients and peers dial (default: see
         kvferry.addresses); ``peers``: the hosts this one may hand sessions to;
         ``drain_dir``: where a drain saves what no peer takes ("": under
-        $KVFERRY_HOME/drain/, per address; None: nowhere)."""
+        $KVFERRY_HOME/drain/, per address; None: nowhere); ``lane_port``: where
+        incoming migrations' KV frames may come on a socket of their own
+        (kvferry.migration_lane; 0: a free port; None: no lane, all on the stream)."""
         h, _, _ = bind.rpartition(":")
         if keys is None and token is not None:
             keys = Keyring({token: Key("admin", "admin")})
@@ -124,6 +127,12 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
         if advertise:
             addresses.split(advertise)  # HOST:PORT, or a one-line error
         self.address = advertise or addresses.advertise(h or "127.0.0.1", port, self.peers)
+        try:
+            self.lane = None if lane_port is None else LaneListener(h, lane_port, tls)
+        except OSError as e:
+            self.server.stop(0)
+            raise ConfigError(f"cannot listen for migration lanes on {addresses.join(h or '0.0.0.0', lane_port)}: "
+                              f"{e.strerror or e}") from None
         self.draining = False
         self.drain_timeout = drain_timeout
         self.finished = threading.Event()  # a drain asked the host to stop
@@ -163,6 +172,8 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
     def stop(self, grace: float = 1.0) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        if self.lane is not None:
+            self.lane.close()
         # join the RPC threads now: threads that ran MLX work must not be torn down
         # at interpreter exit (their thread-local MLX state would abort the process)
         self.executor.shutdown(wait=True, cancel_futures=True)
@@ -347,7 +358,7 @@ class _Sessions(pbg.SessionsServicer):
         if mode not in MIGRATE_MODES:
             raise ConfigError(f"unknown migration mode '{mode}' (choose from {', '.join(MIGRATE_MODES)})")
         t = MigrationTicket(r.target, r.target_token or None, mode, live=r.live, allow_lossy=r.allow_lossy,
-                            rate=r.rate_mb_s * 1e6)
+                            rate=r.rate_mb_s * 1e6, lane=not r.stream_only)
         threading.Thread(target=srv.run_ticket, args=(r.session_id, slot, t), daemon=True,
                          name=f"migrate-{r.session_id}").start()
         while (p := t.progress.get()) is not None:

@@ -96,9 +96,10 @@ async def afollow_moves(handle: Any, call: Callable[[str], Any]) -> Any:
     raise RemoteError(f"session {handle.id} kept moving; giving up")
 
 
-def migrate_request(sid: str, to: str, to_token, mode, live, rate_mb_s, allow_lossy=False) -> pb.MigrateRequest:
+def migrate_request(sid: str, to: str, to_token, mode, live, rate_mb_s, allow_lossy=False,
+                    lane=True) -> pb.MigrateRequest:
     return pb.MigrateRequest(session_id=sid, target=to, target_token=to_token or "", mode=mode,
-                             live=live, rate_mb_s=rate_mb_s, allow_lossy=allow_lossy)
+                             live=live, rate_mb_s=rate_mb_s, allow_lossy=allow_lossy, stream_only=not lane)
 
 
 def file_chunks(path: str | os.PathLike) -> Iterator[pb.CheckpointChunk]:
@@ -118,6 +119,7 @@ class Migration:
     mode: str = ""  # how the KV travelled (what auto chose)
     phases_ms: dict = field(default_factory=dict)  # where the time went (see MigrateProgress)
     transfer_mb_s: float = 0.0  # raw KV MB/s of a stop-and-copy transfer (0 for live)
+    transport: str = ""  # how the KV frames went: lane (a socket beside the stream) or stream
 
     @property
     def ratio(self) -> float:
@@ -128,7 +130,8 @@ class Migration:
         if last is None or not last.done:
             raise RemoteError(f"migration of {session_id} to {to} did not complete")
         return cls(to, last.bytes_sent, last.seconds, last.raw_kv_bytes, last.tokens, last.pause_ms, last.mode,
-                   {k: round(v, 2) for k, v in last.phases_ms.items()}, round(last.transfer_mb_s, 1))
+                   {k: round(v, 2) for k, v in last.phases_ms.items()}, round(last.transfer_mb_s, 1),
+                   last.transport)
 
 
 class TurnFollower:

@@ -139,6 +139,10 @@ def test_bench_migrate_runs(smollm_dir):
     (t,) = out["transfers"]  # the raw transfer of an idle session, with its phases
     assert t["transfer_mb_s"] > 0 and len(t["transfer_mb_s_reps"]) == 2 and "transfer" in t["phases_ms"]
     assert t["grpc_ceiling_mb_s"] > 0 and len(t["grpc_ceiling_mb_s_reps"]) == 3 and t["transfer_over_ceiling"] > 0
+    # the same moves with the frames on the gRPC stream, and a bare lane, in the same run
+    assert t["transports"] == ["lane"] and len(t["stream_mb_s_reps"]) == 2 and t["stream_mb_s"] > 0
+    assert t["lane_ceiling_mb_s"] > 0 and len(t["lane_ceiling_mb_s_reps"]) == 3 and t["lane_over_stream"] > 0
+    assert out["targets"]["lane_over_stream_min"] == t["lane_over_stream"]
     assert out["targets"]["transfer_mb_s_min"] == t["transfer_mb_s"] and out["device"]["kind"] == "cpu"
     assert out["model"] == "SmolLM2-135M-Instruct"  # which model moved (the plot's title says it too)
     assert out["precopy_rate_mb_s"] == "host default"

@@ -470,6 +470,42 @@ def test_a_tls_host_sends_sessions_only_over_tls(tiny_model, tmp_path):
         host.close()
 
 
+def test_migration_over_mutual_tls_takes_a_tls_lane(tiny_model, tmp_path):
+    """Between hosts that serve mutual TLS, the KV's lane is TLS with the same
+    certificates: the move takes the lane, and a plaintext dialler gets nothing."""
+    import socket
+
+    from kvferry.host import ModelHost
+    from kvferry.server import HostServer
+    from kvferry.transport import TLSConfig
+
+    c = _certs(tmp_path)
+    hosts = [ModelHost(str(tiny_model), progress=False) for _ in range(2)]
+    tls = TLSConfig(c["scert"], c["skey"], ca=c["ca"])
+    peer = TLSConfig(c["ccert"], c["ckey"], c["ca"])
+    a, b = (HostServer(h, "127.0.0.1:0", token=TOKEN, tls=tls, client_tls=peer).start() for h in hosts)
+    a.peers = (b.address,)
+    try:
+        cl = Client(a.address, TOKEN, tls=peer)
+        s = cl.create_session(max_tokens=6, ignore_eos=True)
+        twin = cl.create_session(max_tokens=6, ignore_eos=True)
+        assert "".join(s.send("hi")) == "".join(twin.send("hi"))
+        m = s.migrate(to=b.address, mode="raw")
+        assert m.transport == "lane" and s.host == b.address
+        assert "".join(s.send("more")) == "".join(twin.send("more"))
+        with socket.create_connection(("127.0.0.1", b.lane.port), timeout=10) as conn:
+            conn.sendall(b"KVFL" + bytes(32))  # not a TLS handshake
+            try:
+                assert conn.recv(1) == b""  # closed on (or reset by the failed handshake)
+            except ConnectionResetError:
+                pass
+    finally:
+        a.stop()
+        b.stop()
+        for h in hosts:
+            h.close()
+
+
 def test_message_size_limit(tiny_model):
     from kvferry.host import ModelHost
     from kvferry.server import HostServer

@@ -470,3 +470,77 @@ def test_the_target_reads_frame_messages_in_place_and_anything_else_as_protobuf(
     for bad in (raw[:-1], raw[:3], raw + b"\xff", b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01"):
         with pytest.raises(DecodeError):
             read_message(bad)
+
+
+def test_the_kv_goes_on_a_lane_and_stream_only_keeps_it_on_the_stream(pair):
+    """By default a migration's frames take the target's lane (a socket beside the
+    gRPC stream); ``lane=False`` keeps them on the stream. Both are bit-exact."""
+    a, b = pair
+    c, s, twin = conversation(a)
+    m = s.migrate(to=b.address, mode="raw")
+    assert m.transport == "lane" and s.id in b.host.sessions and s.id not in a.host.sessions
+    assert "".join(s.send("more")) == "".join(twin.send("more"))
+    m = s.migrate(to=a.address, mode="raw", lane=False)
+    assert m.transport == "stream" and s.id in a.host.sessions and s.id not in b.host.sessions
+    assert "".join(s.send("again")) == "".join(twin.send("again"))
+
+
+def test_a_lane_that_cannot_be_dialled_leaves_the_frames_on_the_stream(pair, monkeypatch):
+    """A lane port that refuses (a firewall, say): the source keeps the frames on
+    the stream, and the migration completes."""
+    import socket
+
+    a, b = pair
+    c, s, twin = conversation(a)
+    closed = socket.create_server(("127.0.0.1", 0))
+    dead = closed.getsockname()[1]
+    closed.close()
+    monkeypatch.setattr(b.lane, "port", dead)  # what b's acks now name: nothing listens there
+    m = s.migrate(to=b.address)
+    assert m.transport == "stream" and s.id in b.host.sessions and s.id not in a.host.sessions
+    assert "".join(s.send("more")) == "".join(twin.send("more"))
+
+
+def test_a_lane_that_breaks_mid_transfer_resumes_on_a_new_one(pair, monkeypatch):
+    """The lane's connection dies after a few frames: the source reconnects the
+    stream, opens a new lane and resends only what the target has not verified."""
+    import socket
+
+    from kvferry import migration_lane
+
+    a, b = pair
+    c, s, twin = conversation(a)
+    real_put = migration_lane.LaneWriter.put
+    lanes: list = []
+
+    def breaking(self, seq, frame):
+        if self not in lanes:
+            lanes.append(self)
+        if len(lanes) == 1 and seq == 3:
+            self.conn.shutdown(socket.SHUT_RDWR)  # the link under the first lane goes
+        real_put(self, seq, frame)
+    monkeypatch.setattr(migration_lane.LaneWriter, "put", breaking)
+    m = s.migrate(to=b.address, mode="raw")
+    assert len(lanes) == 2 and m.transport == "lane"
+    assert s.id in b.host.sessions and s.id not in a.host.sessions
+    assert "".join(s.send("more")) == "".join(twin.send("more"))
+
+
+def test_a_lane_takes_only_a_ticket_its_stream_gave(pair, monkeypatch):
+    """Strangers on the lane port (a wrong ticket, garbage, silence) are closed on
+    without a word, and the host serves on."""
+    import secrets
+    import socket
+
+    from kvferry import migration_lane
+
+    monkeypatch.setattr(migration_lane, "HELLO_S", 0.5)
+    a, b = pair
+    for hello in (migration_lane.MAGIC + secrets.token_bytes(migration_lane.TICKET_BYTES),
+                  b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(16), b""):
+        with socket.create_connection(("127.0.0.1", b.lane.port), timeout=5) as conn:
+            conn.sendall(hello)
+            assert conn.recv(1) == b""  # closed on: the ticket was wrong, or none came in time
+    c, s, twin = conversation(a)
+    assert s.migrate(to=b.address).transport == "lane"
+    assert "".join(s.send("more")) == "".join(twin.send("more"))

@@ -1,4 +1,5 @@
-"""The wire's own ceiling: a bare gRPC stream between two processes on this machine.
+"""The wire's own ceiling: a bare gRPC stream, and a bare migration lane, between two
+processes on this machine.
 
 No work is done per byte: no framing, no hash, no copy into a cache. The channel
 options and message size are a migration's (4 MiB, about one layer's KV frame).
@@ -6,7 +7,10 @@ options and message size are a migration's (4 MiB, about one layer's KV frame).
 a migration's transfer over gRPC cannot beat it, so ``transfer_over_ceiling`` says
 how much of the wire the checkpoint path leaves unused.
 
-The sink is this module run with ``--serve``. It listens on 127.0.0.1 only, takes
+:func:`measure_lane` does the same on a migration lane (kvferry.migration_lane),
+the socket beside the stream that a migration's frames take by default.
+
+The gRPC sink is this module run with ``--serve``. It listens on 127.0.0.1 only, takes
 the caller's token (the ``authorization`` metadata) and stops with its parent's run.
 """
 
@@ -76,5 +80,72 @@ def measure(total_bytes: int, reps: int = 3, message: int = MESSAGE) -> dict:
             "bytes": count * message}
 
 
+def _serve_lane() -> None:
+    """A migration lane's target end (kvferry.migration_lane) that drops what it reads:
+    its port, then one ticket a line for each connection the parent makes."""
+    import threading
+
+    from ..migration_lane import Inbox, LaneListener
+
+    lane = LaneListener("127.0.0.1", 0)
+    print(lane.port, flush=True)
+    for _ in sys.stdin:  # a line: the parent wants a ticket for one more run
+        stream_open = threading.Event()  # the Transfer stream the lane sits beside: open until the run ends
+
+        def held():
+            stream_open.wait()
+            yield from ()
+        inbox = Inbox(held())
+        print(lane.issue(inbox).hex(), flush=True)
+        inbox.merge()
+        got, want = 0, int(sys.stdin.readline())
+        for frame in inbox:
+            got += len(frame.data)
+            frame.release()  # as the Transfer handler does once a frame has landed
+            if got >= want:
+                break
+        stream_open.set()
+        inbox.close()
+        print(got, flush=True)
+
+
+def measure_lane(total_bytes: int, reps: int = 3, message: int = MESSAGE) -> dict:
+    """As :func:`measure`, on a migration lane instead of a gRPC stream: the socket a
+    migration's KV frames take beside the stream, with its framing and buffers but
+    no checkpoint work."""
+    from ..migration_lane import LaneWriter
+
+    sink = subprocess.Popen([sys.executable, "-m", "kvferry.bench.ceiling", "--serve-lane"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(sink.stdout.readline())
+        payload = os.urandom(message)
+        count = max(1, total_bytes // message)
+        rates = []
+        for _ in range(reps):
+            sink.stdin.write("run\n")
+            sink.stdin.flush()
+            ticket = bytes.fromhex(sink.stdout.readline())
+            sink.stdin.write(f"{count * message}\n")
+            sink.stdin.flush()
+            w = LaneWriter("127.0.0.1", port, ticket, None, lambda _: None)
+            t = time.perf_counter()
+            for i in range(count):
+                w.put(i, payload)
+            got = int(sink.stdout.readline())
+            rates.append(round(got / 1e6 / (time.perf_counter() - t), 1))
+            w.close()
+    finally:
+        sink.stdin.close()
+        try:
+            sink.wait(10)
+        except subprocess.TimeoutExpired:
+            sink.kill()
+    return {"mb_s": sorted(rates)[(len(rates) - 1) // 2], "reps": rates, "message_bytes": message,
+            "bytes": count * message}
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
     _serve(os.environ["KVFERRY_SINK_TOKEN"])
+elif __name__ == "__main__" and sys.argv[1:] == ["--serve-lane"]:
+    _serve_lane()

@@ -128,8 +128,10 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
                 rp.close()
                 progress(f"context {n_ctx} tokens: re-prefill {reprefill_ms:.0f} ms")
                 transfers.append(transfer(a, b, token, ck, f"x{ctx}", n_ctx, reps))
-                progress(f"  raw transfer (idle session, stop-copy): {transfers[-1]['transfer_mb_s']} MB/s "
-                         f"(reps {transfers[-1]['transfer_mb_s_reps']}), phases {transfers[-1]['phases_ms']}")
+                t = transfers[-1]
+                progress(f"  raw transfer (idle session, stop-copy): {t['transfer_mb_s']} MB/s on the lane "
+                         f"(reps {t['transfer_mb_s_reps']}), {t['stream_mb_s']} MB/s on the gRPC stream "
+                         f"(reps {t['stream_mb_s_reps']}); lane phases {t['phases_ms']}")
                 for live in (() if transfer_only else [m == "live" for m in modes]):
                     runs = []
                     for r in range(reps):
@@ -156,20 +158,23 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
 
 def transfer(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, n_ctx: int, reps: int) -> dict:
     """Raw KV transfer: a restored session not generating, moved stop-and-copy in
-    raw mode, ``reps`` times (A to B and back); the median rep by MB/s, each rep's
-    figure listed. The rate is the KV's raw bytes over the time from the pause to
-    the target's verified, landed restore (extract, encode, wire, land overlap)."""
+    raw mode, ``reps`` times on the lane and ``reps`` times on the gRPC stream
+    (alternated, back and forth between A and B); each side's median rep by MB/s,
+    each rep's figure listed. The rate is the KV's raw bytes over the time from the
+    pause to the target's verified, landed restore (extract, encode, wire, land overlap)."""
     from ..sdk import Client
     from . import ceiling
 
-    runs = []
+    runs: dict[bool, list] = {True: [], False: []}
     src, dst = a, b
     s = Client(a.address, token).restore(ck, session_id=sid)
     try:
-        for _ in range(reps):
-            m = Client(src.address, token).session(sid).migrate(to=dst.address, live=False, mode="raw")
-            runs.append({"transfer_mb_s": m.transfer_mb_s, "raw_kv_bytes": m.raw_kv_bytes,
-                         "total_ms": round(m.seconds * 1000, 1), "phases_ms": m.phases_ms})
+        for i in range(2 * reps):
+            lane = i % 4 in (0, 3)  # lane, stream, stream, lane: each first as often
+            m = Client(src.address, token).session(sid).migrate(to=dst.address, live=False, mode="raw", lane=lane)
+            runs[lane].append({"transfer_mb_s": m.transfer_mb_s, "raw_kv_bytes": m.raw_kv_bytes,
+                               "total_ms": round(m.seconds * 1000, 1), "phases_ms": m.phases_ms,
+                               "transport": m.transport})
             src, dst = dst, src
     finally:
         try:
@@ -177,11 +182,21 @@ def transfer(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, n
         except Exception:
             pass
     del s
-    row = dict(sorted(runs, key=lambda r: r["transfer_mb_s"])[(len(runs) - 1) // 2])
-    row.update(context=n_ctx, reps=len(runs), transfer_mb_s_reps=[r["transfer_mb_s"] for r in runs])
+
+    def median(rs: list) -> dict:
+        return dict(sorted(rs, key=lambda r: r["transfer_mb_s"])[(len(rs) - 1) // 2])
+    row, stream = median(runs[True]), median(runs[False])
+    row.update(context=n_ctx, reps=len(runs[True]), transfer_mb_s_reps=[r["transfer_mb_s"] for r in runs[True]],
+               transports=sorted({r["transport"] for r in runs[True]}),
+               stream_mb_s=stream["transfer_mb_s"], stream_mb_s_reps=[r["transfer_mb_s"] for r in runs[False]],
+               stream_phases_ms=stream["phases_ms"],
+               lane_over_stream=round(row["transfer_mb_s"] / max(stream["transfer_mb_s"], 1e-9), 3))
     wire = ceiling.measure(row["raw_kv_bytes"], reps=max(3, reps))  # the same bytes over bare gRPC, same run
+    lane = ceiling.measure_lane(row["raw_kv_bytes"], reps=max(3, reps))  # and over a bare lane
     row.update(grpc_ceiling_mb_s=wire["mb_s"], grpc_ceiling_mb_s_reps=wire["reps"],
-               transfer_over_ceiling=round(row["transfer_mb_s"] / max(wire["mb_s"], 1e-9), 3))
+               transfer_over_ceiling=round(row["transfer_mb_s"] / max(wire["mb_s"], 1e-9), 3),
+               lane_ceiling_mb_s=lane["mb_s"], lane_ceiling_mb_s_reps=lane["reps"],
+               transfer_over_lane_ceiling=round(row["transfer_mb_s"] / max(lane["mb_s"], 1e-9), 3))
     return row
 
 
@@ -307,17 +322,19 @@ def _targets(rows: list[dict], transfers: list[dict] = ()) -> dict:
     if transfers:
         out["transfer_mb_s_min"] = min(t["transfer_mb_s"] for t in transfers)
         out["transfer_over_grpc_ceiling_min"] = min(t["transfer_over_ceiling"] for t in transfers)
+        out["lane_over_stream_min"] = min(t["lane_over_stream"] for t in transfers)
     return out
 
 
 def table(r: dict) -> str:
     """The human-readable form of :func:`run`'s result."""
     out = [f"device: {r['device']['backend']} ({r['device']['name']})", "",
-           f"{'context':>8} {'raw transfer MB/s':>18} {'bare gRPC MB/s':>15} {'extract':>8} {'encode':>8} "
-           f"{'wire':>8} {'land':>8} {'total ms':>9}"]
+           f"{'context':>8} {'raw transfer MB/s':>18} {'on the stream':>14} {'bare lane':>10} {'bare gRPC':>10} "
+           f"{'extract':>8} {'encode':>8} {'wire':>8} {'land':>8} {'total ms':>9}"]
     for t in r["transfers"]:
         p = t["phases_ms"]
-        out.append(f"{t['context']:>8} {t['transfer_mb_s']:>18} {t['grpc_ceiling_mb_s']:>15} "
+        out.append(f"{t['context']:>8} {t['transfer_mb_s']:>18} {t['stream_mb_s']:>14} {t['lane_ceiling_mb_s']:>10} "
+                   f"{t['grpc_ceiling_mb_s']:>10} "
                    f"{p.get('extract', 0):>8.1f} {p.get('encode', 0):>8.1f} {p.get('wire', 0):>8.1f} "
                    f"{p.get('land', 0):>8.1f} {t['total_ms']:>9}")
     if r["rows"]:

@@ -49,6 +49,19 @@ def _serve(token: str) -> None:
     server.stop(0)
 
 
+def _stop(sink: subprocess.Popen) -> None:
+    sink.stdin.close()  # the sink stops when its stdin ends
+    try:
+        sink.wait(10)
+    except subprocess.TimeoutExpired:
+        sink.kill()
+
+
+def _result(rates: list[float], message: int, count: int) -> dict:
+    return {"mb_s": sorted(rates)[(len(rates) - 1) // 2], "reps": rates, "message_bytes": message,
+            "bytes": count * message}
+
+
 def measure(total_bytes: int, reps: int = 3, message: int = MESSAGE) -> dict:
     """MB/s of ``total_bytes`` streamed to the sink in ``message``-byte messages,
     ``reps`` times; the median and every rep."""
@@ -71,13 +84,8 @@ def measure(total_bytes: int, reps: int = 3, message: int = MESSAGE) -> dict:
                 got = int(b"".join(call(iter([payload] * count), metadata=(("authorization", f"Bearer {token}"),))))
                 rates.append(round(got / 1e6 / (time.perf_counter() - t), 1))
     finally:
-        sink.stdin.close()
-        try:
-            sink.wait(10)
-        except subprocess.TimeoutExpired:
-            sink.kill()
-    return {"mb_s": sorted(rates)[(len(rates) - 1) // 2], "reps": rates, "message_bytes": message,
-            "bytes": count * message}
+        _stop(sink)
+    return _result(rates, message, count)
 
 
 def _serve_lane() -> None:
@@ -136,13 +144,8 @@ def measure_lane(total_bytes: int, reps: int = 3, message: int = MESSAGE) -> dic
             rates.append(round(got / 1e6 / (time.perf_counter() - t), 1))
             w.close()
     finally:
-        sink.stdin.close()
-        try:
-            sink.wait(10)
-        except subprocess.TimeoutExpired:
-            sink.kill()
-    return {"mb_s": sorted(rates)[(len(rates) - 1) // 2], "reps": rates, "message_bytes": message,
-            "bytes": count * message}
+        _stop(sink)
+    return _result(rates, message, count)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:

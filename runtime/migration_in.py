@@ -26,6 +26,7 @@ RUNNING_WAIT = 5.0  # s: how long the target waits for a landed turn's first tok
 # KV, so that what a source still has in flight when it pauses is small
 ACK_EVERY_FRAMES, ACK_EVERY_BYTES = 16, 1 << 20
 PREPARED_TTL = 120.0
+AHEAD_FRAMES = 64  # frames held for order (lane and stream race at the live pause); past: an error
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Incoming:
     next_seq: int = 0
     prepared: Any = None
     land_s: float = 0.0  # verifying and applying frames
+    ahead: dict = field(default_factory=dict)  # seq -> a frame that came before the one we need
     touched: float = field(default_factory=time.monotonic)  # last message: a live migration may run long
 
 
@@ -128,17 +130,24 @@ class MigrationTarget(pbg.MigrationServicer):
                     if f.seq < inc.next_seq:
                         continue  # a resend after reconnect: already verified
                     if f.seq > inc.next_seq:
-                        raise KvferryError(f"frame {f.seq} arrived, expected {inc.next_seq}")
-                    data = f.data  # once: protobuf's .data is a fresh copy each time
-                    began = time.perf_counter()
-                    for fr in inc.decoder.feed(data):
-                        inc.restorer.apply(fr)
-                    landed = time.perf_counter()
-                    inc.land_s += landed - began
-                    inc.next_seq += 1
-                    unacked += len(data)
-                    if isinstance(f, LaneFrame):
-                        f.release()  # its buffer back to the lane: what landed was copied out
+                        # the lane's last frames may come after the stream's first ones
+                        # (the live pause's small frames go on the stream): hold it
+                        if len(inc.ahead) >= AHEAD_FRAMES:
+                            raise KvferryError(f"frame {f.seq} arrived, expected {inc.next_seq}")
+                        inc.ahead[f.seq] = f
+                        continue
+                    while f is not None:
+                        data = f.data  # once: protobuf's .data is a fresh copy each time
+                        began = time.perf_counter()
+                        for fr in inc.decoder.feed(data):
+                            inc.restorer.apply(fr)
+                        landed = time.perf_counter()
+                        inc.land_s += landed - began
+                        inc.next_seq += 1
+                        unacked += len(data)
+                        if isinstance(f, LaneFrame):
+                            f.release()  # its buffer back to the lane: what landed was copied out
+                        f = inc.ahead.pop(inc.next_seq, None)
                     if inc.decoder.done and inc.prepared is None:
                         inc.prepared = inc.restorer.commit()
                         yield pb.MigrationAck(state="restored", next_seq=inc.next_seq, session_id=inc.session_id,

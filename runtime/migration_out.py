@@ -151,6 +151,7 @@ class MigrationSource:
             t_wait = time.perf_counter()
             pause = self.pause(sid, slot)  # stop-and-copy, or the live final stage
             t_pause = time.perf_counter()
+            link.on_stream = t.live and sn.incremental  # a few tokens' KV and the small state
             link.send(sn.finish())  # streamed: the target verifies and lands while we encode
             t_sent = time.perf_counter()
             link.wait_restored()
@@ -295,7 +296,8 @@ class _Link:
         self.lane: LaneWriter | None = None
         self.lane_broken = False  # this stream's lane failed: the stream is cancelled to resume
         self.lane_failures = 0  # lanes that failed to open or broke: after LANE_TRIES, the stream only
-        self.transport = ""  # how the last frame went: lane | stream
+        self.lane_frames = 0  # frames sent on a lane
+        self.on_stream = False  # the live pause: its few small frames go on the stream (see _put)
         self._connect()
 
     def _connect(self) -> None:
@@ -338,13 +340,21 @@ class _Link:
             self.lane_failures += 1
             self.acks.cancel()
 
+    @property
+    def transport(self) -> str:
+        """How the KV went: ``lane`` (its frames, but for a live pause's few) or ``stream``."""
+        return "lane" if self.lane_frames else "stream"
+
     def _put(self, seq: int, frame: bytes) -> None:
-        if self.lane is not None:
+        """A frame on the lane, if one is open and this is not the live pause: there
+        its few small frames reach the target's handler sooner on the stream, with
+        one thread between them fewer (on an H100, the pause was 7 ms longer with
+        them on the lane). The target puts frames of the two in order."""
+        if self.lane is not None and not self.on_stream:
             self.lane.put(seq, frame)
-            self.transport = "lane"
+            self.lane_frames += 1
         else:
             self.reqs.put(frame_message(seq, frame))
-            self.transport = "stream"
 
     @property
     def bytes(self) -> int:

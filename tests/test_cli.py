@@ -135,7 +135,8 @@ def test_bench_migrate_runs(smollm_dir):
         assert row["identical"] and row["mid_reply"] and len(row["downtime_ms_reps"]) == 2
         assert row["downtime_ms"] in row["downtime_ms_reps"] and row["bytes"] > 0
         assert {"extract", "encode", "wire", "land", "restored", "commit"} <= set(row["phases_ms"])
-    assert out["targets"]["identical_everywhere"]
+        assert row["transport"] == "lane"  # the default: frames on the target's lane
+    assert out["targets"]["identical_everywhere"] and out["lane"] is True
     (t,) = out["transfers"]  # the raw transfer of an idle session, with its phases
     assert t["transfer_mb_s"] > 0 and len(t["transfer_mb_s_reps"]) == 2 and "transfer" in t["phases_ms"]
     assert t["grpc_ceiling_mb_s"] > 0 and len(t["grpc_ceiling_mb_s_reps"]) == 3 and t["transfer_over_ceiling"] > 0

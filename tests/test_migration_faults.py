@@ -516,11 +516,11 @@ def test_a_lane_that_breaks_mid_transfer_resumes_on_a_new_one(pair, monkeypatch)
     def breaking(self, seq, frame):
         if self not in lanes:
             lanes.append(self)
-        if len(lanes) == 1 and seq == 3:
+        if len(lanes) == 1 and seq == 2:
             self.conn.shutdown(socket.SHUT_RDWR)  # the link under the first lane goes
         real_put(self, seq, frame)
     monkeypatch.setattr(migration_lane.LaneWriter, "put", breaking)
-    m = s.migrate(to=b.address, mode="raw")
+    m = s.migrate(to=b.address, mode="raw", live=False)  # every frame on the lane (see the next test)
     assert len(lanes) == 2 and m.transport == "lane"
     assert s.id in b.host.sessions and s.id not in a.host.sessions
     assert "".join(s.send("more")) == "".join(twin.send("more"))
@@ -544,3 +544,39 @@ def test_a_lane_takes_only_a_ticket_its_stream_gave(pair, monkeypatch):
     c, s, twin = conversation(a)
     assert s.migrate(to=b.address).transport == "lane"
     assert "".join(s.send("more")) == "".join(twin.send("more"))
+
+
+def test_a_live_pause_sends_its_frames_on_the_stream_and_the_target_orders_them(pair, monkeypatch):
+    """Live: the pre-copy's frames take the lane, the pause's few small ones the
+    stream, and the target lands them in order even when the stream's come first
+    (here the lane's last pre-copy frame is held back until the stream's arrived)."""
+    from kvferry import migration_lane, migration_out
+
+    a, b = pair
+    c, s, twin = conversation(a, max_tokens=40)
+    ref = [ch.token for ch in twin.events("keep going") if ch.token >= 0]
+    real_put, real_link_put = migration_lane.LaneWriter.put, migration_out._Link._put
+    held: list = []
+    on_stream: list[int] = []
+
+    def lane_put(self, seq, frame):
+        if held or seq < 2:
+            return real_put(self, seq, frame)
+        held.append((self, seq, frame))  # this one waits for the pause's first frame
+
+    def link_put(self, seq, frame):
+        real_link_put(self, seq, frame)
+        if self.on_stream:
+            on_stream.append(seq)
+            if held and held[0] is not None and len(on_stream) == 1:
+                time.sleep(0.2)  # the stream's frame reaches the target first
+                w, q, f = held[0]
+                held[0] = None
+                real_put(w, q, f)
+    monkeypatch.setattr(migration_lane.LaneWriter, "put", lane_put)
+    monkeypatch.setattr(migration_out._Link, "_put", link_put)
+    th, got = reading(s, "keep going", first=4)
+    m = Client(a.address, TOKEN).session(s.id).migrate(to=b.address, live=True, mode="raw")
+    th.join(60)
+    assert m.transport == "lane" and on_stream and held == [None]
+    assert s.id in b.host.sessions and s.id not in a.host.sessions and got == ref

@@ -78,7 +78,7 @@ def cmd_bench_migrate(a) -> int:
         raise KvferryError(f"--rate must be positive, not {a.rate}")
     r = run(tuple(a.contexts), a.generate, threads=a.threads or None, pin=a.pin, reps=a.reps,
             progress=(lambda m: print(m, file=sys.stderr)), transfer_only=a.transfer_only, model=a.model,
-            modes=tuple(dict.fromkeys(a.modes)), rate_mb_s=a.rate)
+            modes=tuple(dict.fromkeys(a.modes)), rate_mb_s=a.rate, lane=not a.no_lane)
     if a.plot and r["rows"]:
         plot(r, a.plot)
     if a.json:
@@ -277,6 +277,9 @@ def register(sub, add: Callable) -> None:
                     help="which generating migrations to run (default: both)")
     bm.add_argument("--rate", type=float, default=0.0, metavar="MB/S",
                     help="live pre-copy pace, as kvferry migrate --rate (default: the host's, ~3 MB a step)")
+    bm.add_argument("--no-lane", action="store_true",
+                    help="the generating migrations' KV on the gRPC stream, not the lane (to compare; the raw "
+                         "transfer measures both either way)")
     bm.add_argument("--plot", help="write a PNG figure (needs matplotlib)")
     bm.add_argument("--json", action="store_true")
     bh = add(b, "shape", cmd_bench_shape, "install a random-weight model of a real model's dimensions (for "

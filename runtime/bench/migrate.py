@@ -90,13 +90,14 @@ def split_cpus() -> tuple[str, str] | None:
 def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrate_after: int = 8,
         threads: int | None = 1, pin: bool = False, reps: int = 5, progress=print,
         transfer_only: bool = False, model: str | None = None, modes=("live", "stop-copy"),
-        rate_mb_s: float = 0.0) -> dict:
+        rate_mb_s: float = 0.0, lane: bool = True) -> dict:
     """``threads``: BLAS threads per host (``serve --threads``): both hosts share this
     machine, so each gets its share of the cores; None = the BLAS default (all).
     ``pin``: each host on its own half of the CPUs (``serve --cpus``).
     ``reps``: migrations per context and mode (a row is their median).
     ``modes``: which generating migrations to run. ``rate_mb_s``: the live
-    pre-copy's pace, as ``kvferry migrate --rate`` (0: the host's default)."""
+    pre-copy's pace, as ``kvferry migrate --rate`` (0: the host's default).
+    ``lane``: the generating migrations' frames on the lane (False: the stream)."""
     if reps < 1:
         raise ValueError("reps must be at least 1")
     if rate_mb_s < 0:
@@ -136,7 +137,7 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
                     runs = []
                     for r in range(reps):
                         runs.append(_one(a, b, token, ck, f"m{ctx}{'l' if live else 's'}{r}", live, n_ctx,
-                                         reprefill_ms, generate, after, migrate_after, rate_mb_s))
+                                         reprefill_ms, generate, after, migrate_after, rate_mb_s, lane))
                         progress(f"  {runs[-1]['mode']} rep {r + 1}/{reps}: downtime {runs[-1]['downtime_ms']} ms"
                                  f" (handoff gap {runs[-1]['handoff_gap_ms']} ms, normal {runs[-1]['normal_gap_ms']}"
                                  f" ms; twin noise {runs[-1]['twin_worst_gap_over_median_ms']} ms)")
@@ -152,7 +153,7 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
     from ..device import current
 
     return {"device": current().as_dict(), "model": resolve(model, progress=False).name, "rows": rows,
-            "precopy_rate_mb_s": rate_mb_s or "host default",
+            "precopy_rate_mb_s": rate_mb_s or "host default", "lane": lane,
             "transfers": transfers, "targets": _targets(rows, transfers)}
 
 
@@ -201,7 +202,7 @@ def transfer(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, n
 
 
 def _one(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, live: bool, n_ctx: int, reprefill_ms: float,
-         generate: int, after: int, migrate_after: int, rate_mb_s: float = 0.0) -> dict:
+         generate: int, after: int, migrate_after: int, rate_mb_s: float = 0.0, lane: bool = True) -> dict:
     """Generate on A, migrate to B mid-reply, read ``after`` tokens more on B
     (the session object follows the migration: ``m.host`` turns to B)."""
     from ..sdk import Client
@@ -235,7 +236,7 @@ def _one(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, live:
         t_mig = time.perf_counter()
         # raw, as every figure in docs/migration.md: mode auto would first send 16 MB unpaced to time the link
         mig = Client(a.address, token).session(sid).migrate(to=b.address, live=live, mode="raw",
-                                                            rate_mb_s=rate_mb_s)
+                                                            rate_mb_s=rate_mb_s, lane=lane)
         th.join()
         # the landed turn would go on generating on B; stop it so the twin runs
         # with nothing else generating, as the migrated session ran before it
@@ -268,7 +269,7 @@ def _one(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, live:
                 "twin_worst_over_median": round(max(tw) / tmed, 2) if tw else None,
                 "total_ms": round(mig.seconds * 1000, 1), "pause_ms": round(mig.pause_ms, 1),
                 "bytes": mig.bytes, "raw_kv_bytes": mig.raw_kv_bytes, "phases_ms": mig.phases_ms,
-                "transfer_mb_s": mig.transfer_mb_s,
+                "transfer_mb_s": mig.transfer_mb_s, "transport": mig.transport,
                 "reprefill_ms": round(reprefill_ms, 1), "identical": got == ref and len(got) > 0,
                 "mid_reply": bool(handoff), "tokens": len(got),
                 "gaps_ms": [round(g * 1000) for g in gaps], "migration_started_at": idx,

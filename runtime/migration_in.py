@@ -210,6 +210,7 @@ class MigrationTarget(pbg.MigrationServicer):
             if inc is not None:
                 with srv.registry_lock:
                     srv.incoming = {k: v for k, v in srv.incoming.items() if v is not inc}
+                    srv.aborted[mid] = time.monotonic()  # refused: a reconnect may not resume it
                 inc.restorer.release()  # its KV reservation and its guest made ahead
             if not isinstance(e, KvferryError):  # a malformed message: one line, not UNKNOWN
                 e = MigrationError(f"malformed migration message ({type(e).__name__}: {e})")

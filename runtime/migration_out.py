@@ -40,6 +40,7 @@ PRECOPY_RATE = 40e6  # ... and 40 MB/s while it is not generating
 PRECOPY_MAX = {"cpu": 80e6, "gpu": 1e9}  # pace cap: a CPU's generation shares its memory bandwidth
 PRECOPY_CHUNK = 3 << 19  # pre-copy frames carry ~1.5 MB of one layer's KV (a token range)
 LANE_TRIES = 2  # lanes a migration opens at most (a failed one, then the stream only)
+LANE_GRACE_S = 1.0  # s a broken lane waits for the stream's own word before it counts as a dropped link
 
 
 def precopy_rate(s, device: str = "cpu") -> float:
@@ -315,6 +316,9 @@ class _Link:
                                                  fingerprint=self.s.lm.fingerprint, source=self.srv.address,
                                                  lane=self.t.lane and self.lane_failures < LANE_TRIES)))
         ack = next(self.acks)
+        if ack.state in ("ready", "restored") and ack.next_seq < self.acked:
+            raise MigrationError(f"migration to {self.t.target} failed: the target lost the frames it had "
+                                 "verified; nothing moved")
         for seq in range(self.acked, min(ack.next_seq, len(self.frames))):
             self.frames[seq] = b""  # verified by the target: never resent, so not kept
         self.acked, self.state = max(self.acked, ack.next_seq), ack.state
@@ -334,11 +338,19 @@ class _Link:
                         type(e).__name__, e)
 
     def _lane_broke(self, lane: LaneWriter) -> None:
-        """(The lane's thread) Cancel the stream, so the reader of acks reconnects."""
-        if lane is self.lane and self.acks is not None:
-            self.lane_broken = True
-            self.lane_failures += 1
-            self.acks.cancel()
+        """(The lane's thread) Cancel the stream, so the reader of acks reconnects;
+        after LANE_GRACE_S, for a target that closed the lane because it refused the
+        migration says so on the stream meanwhile (its error, not a reconnect)."""
+        if lane is not self.lane:
+            return
+        self.lane_failures += 1
+        acks = self.acks
+
+        def cancel() -> None:
+            if self.lane is lane and self.acks is acks and acks is not None:
+                self.lane_broken = True
+                acks.cancel()
+        threading.Timer(LANE_GRACE_S, cancel).start()
 
     @property
     def transport(self) -> str:

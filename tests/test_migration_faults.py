@@ -580,3 +580,18 @@ def test_a_live_pause_sends_its_frames_on_the_stream_and_the_target_orders_them(
     th.join(60)
     assert m.transport == "lane" and on_stream and held == [None]
     assert s.id in b.host.sessions and s.id not in a.host.sessions and got == ref
+
+
+def test_a_target_that_refuses_mid_transfer_is_heard_not_resumed(pair, monkeypatch):
+    """A target out of KV room refuses while frames arrive on the lane, and closes
+    the lane with the stream. The source reports the refusal (it once took the
+    closed lane for a dropped link and resumed at a target that had forgotten the
+    migration: 'frame 3 arrived, expected 0'); the session stays on the source."""
+    a, b = pair
+    monkeypatch.setattr(b.host, "max_kv_bytes", 2048)
+    c, s, twin = conversation(a)
+    for _ in range(3):
+        with pytest.raises(RemoteError, match="out of memory"):
+            s.migrate(to=b.address, mode="raw", live=False)
+        assert s.host == a.address and s.id in a.host.sessions and s.id not in b.host.sessions
+    assert "".join(s.send("more")) == "".join(twin.send("more"))

@@ -38,6 +38,7 @@ import numpy as np
 import zstandard as zstd
 
 from .errors import CheckpointError
+from .frames import Gather
 
 MAX_TENSOR_BYTES = 8 << 30
 DTYPES = {"float32": (np.uint32, 4), "float16": (np.uint16, 2), "bfloat16": (np.uint16, 2),
@@ -437,13 +438,14 @@ def encode(u: np.ndarray, dtype: str, mode: str = "lossless", role: str = "value
     ``role`` ("keys"/"values") picks the quantization axis in lossy modes;
     ``sink``: leading tokens kept exact in lossy modes (0 for a later delta);
     ``borrow``: a raw blob's payload is a view of ``u``, valid while ``u`` is
-    (packed into a frame at once, the payload is copied once instead of twice)."""
+    (packed into a frame at once, the payload is copied once instead of twice;
+    a strided ``u``, read in place from a cache, as its contiguous runs)."""
     if mode not in MODES:
         raise CheckpointError(f"unknown checkpoint mode '{mode}' (choose from {', '.join(MODES)})")
     if mode == "raw":
-        u = np.ascontiguousarray(u)
+        data = _runs(u) if borrow else np.ascontiguousarray(u).tobytes()
         return {"codec": "raw", "dtype": dtype, "shape": list(u.shape), "nbytes": u.nbytes,
-                "parts": [memoryview(u).cast("B") if borrow else u.tobytes()], "meta": {}}
+                "parts": [data], "meta": {}}
     if mode == "lossless" or dtype not in FLOATS or u.ndim < 2:
         return encode_lossless(u, dtype)
     # int4 keys keep their few outlier channels at 8 bits. Measured on SmolLM2, mean
@@ -455,16 +457,30 @@ def encode(u: np.ndarray, dtype: str, mode: str = "lossless", role: str = "value
     return encode_symmetric(u, dtype, 8 if mode == "int8" else 4, sink=sink)
 
 
-def _part(b: dict, i: int, where: str) -> bytes:
+def _runs(u: np.ndarray) -> memoryview | Gather:
+    """``u``'s bytes in C order, by reference: one view if contiguous, else the views
+    of its contiguous runs (a KV slice ``[1, heads, tokens, dim]`` of a longer
+    cache: one run a head)."""
+    if u.flags.c_contiguous:
+        return memoryview(u).cast("B")
+    k = 0
+    while k < u.ndim and not u[(0,) * k].flags.c_contiguous:
+        k += 1
+    if k == u.ndim or math.prod(u.shape[:k]) > 4096:  # no long runs: one copy is cheaper
+        return memoryview(np.ascontiguousarray(u)).cast("B")
+    return Gather(memoryview(u[i]).cast("B") for i in np.ndindex(*u.shape[:k]))
+
+
+def _part(b: dict, i: int, where: str) -> bytes | memoryview:
     parts = b.get("parts")
-    if not isinstance(parts, list) or i >= len(parts) or not isinstance(parts[i], bytes):
+    if not isinstance(parts, list) or i >= len(parts) or not isinstance(parts[i], (bytes, memoryview)):
         raise CheckpointError(f"{where}: payload part {i} missing")
     return parts[i]
 
 
 def _bytes(meta: dict, key: str, where: str) -> bytes:
     v = meta.get(key)
-    if not isinstance(v, bytes):
+    if not isinstance(v, (bytes, memoryview)):
         raise CheckpointError(f"{where}: codec field '{key}' missing")
     return v
 

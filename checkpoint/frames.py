@@ -48,12 +48,86 @@ def unpack(body: bytes, where: str) -> Any:
         raise CheckpointError(f"{where}: malformed msgpack body ({type(e).__name__})") from None
 
 
+_FIXED = {0xC0: None, 0xC2: False, 0xC3: True}
+_NUMS = {0xCA: ">f", 0xCB: ">d", 0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q",
+         0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
+_SIZED = {0xC4: (1, "bin"), 0xC5: (2, "bin"), 0xC6: (4, "bin"), 0xD9: (1, "str"), 0xDA: (2, "str"),
+          0xDB: (4, "str"), 0xDC: (2, "array"), 0xDD: (4, "array"), 0xDE: (2, "map"), 0xDF: (4, "map")}
+_LIMITS = {"bin": MAX_BODY, "str": 16 << 20, "array": 1 << 24, "map": 1 << 16}
+MAX_DEPTH = 32
+
+
+class _Reader:
+    """msgpack as :func:`unpack` reads it (the same types and limits), but a bin of
+    SPLICE_BYTES or more comes back as a view of ``buf``, not a copy: the KV
+    payloads of a frame received into a buffer are read where they lie."""
+
+    def __init__(self, buf: memoryview):
+        self.buf, self.pos = buf, 0
+
+    def take(self, n: int) -> memoryview:
+        if n > len(self.buf) - self.pos:
+            raise ValueError("truncated")
+        self.pos += n
+        return self.buf[self.pos - n:self.pos]
+
+    def read(self, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise ValueError("nested too deep")
+        b = self.take(1)[0]
+        if b <= 0x7F or b >= 0xE0:
+            return b if b <= 0x7F else b - 0x100
+        if b in _FIXED:
+            return _FIXED[b]
+        if b in _NUMS:
+            fmt = _NUMS[b]
+            return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+        if 0x80 <= b <= 0x9F:
+            n, kind = b & 0x0F, "map" if b <= 0x8F else "array"
+        elif 0xA0 <= b <= 0xBF:
+            n, kind = b & 0x1F, "str"
+        elif b in _SIZED:
+            width, kind = _SIZED[b]
+            n = int.from_bytes(self.take(width), "big")
+        else:
+            raise ValueError(f"type byte 0x{b:02x}")
+        if n > _LIMITS[kind]:
+            raise ValueError(f"{kind} of {n} over the limit")
+        if kind == "bin":
+            v = self.take(n)
+            return v if n >= SPLICE_BYTES else bytes(v)
+        if kind == "str":
+            return str(self.take(n), "utf-8")
+        if kind == "array":
+            return [self.read(depth + 1) for _ in range(n)]
+        out = {}
+        for _ in range(n):
+            k = self.read(depth + 1)
+            if not isinstance(k, (str, bytes)):
+                raise ValueError("map key not str or bytes")
+            out[k] = self.read(depth + 1)
+        return out
+
+
+def unpack_views(body: memoryview, where: str) -> Any:
+    """:func:`unpack`, large bins as views of ``body`` (valid while it is)."""
+    r = _Reader(body)
+    try:
+        obj = r.read()
+        if r.pos != len(body):
+            raise ValueError("extra bytes")
+        return obj
+    except Exception as e:  # hostile input: any error is a malformed body
+        raise CheckpointError(f"{where}: malformed msgpack body ({type(e).__name__})") from None
+
+
 @dataclass
 class Frame:
     index: int
     kind: int
     body: Any  # unpacked msgpack
     nbytes: int  # on-the-wire size
+    borrowed: bool = False  # its large payloads are views of the caller's buffer (FrameDecoder views)
 
     @property
     def name(self) -> str:
@@ -76,6 +150,34 @@ def _bin_head(n: int) -> bytes:
     return b"\xc6" + n.to_bytes(4, "big")
 
 
+class Gather(tuple):
+    """Buffers that pack as one msgpack bin, their concatenation: the contiguous
+    runs of a strided view (a layer's KV read in place from its cache), never
+    joined by the framer."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(b).nbytes for b in self)
+
+
+class Parts:
+    """A frame as the buffers it is made of (the frame is their concatenation).
+    Written with scatter-gather I/O it is never joined: on this 2-core VM each
+    join into fresh memory cost more than the wire (page faults)."""
+
+    __slots__ = ("buffers", "nbytes")
+
+    def __init__(self, buffers: list):
+        self.buffers = buffers
+        self.nbytes = sum(memoryview(b).nbytes for b in buffers)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.buffers)
+
+
 def _pieces(obj: Any, packer: msgpack.Packer, out: list) -> None:
     """``obj`` packed as msgpack packs it, as a list of buffers: the small parts
     packed, each large payload by reference (a view is never copied here)."""
@@ -84,6 +186,8 @@ def _pieces(obj: Any, packer: msgpack.Packer, out: list) -> None:
         for k, v in obj.items():
             out.append(packer.pack(k))
             _pieces(v, packer, out)
+    elif isinstance(obj, Gather):  # before tuple, which it is
+        out += (_bin_head(obj.nbytes), *obj)
     elif isinstance(obj, (list, tuple)):
         out.append(packer.pack_array_header(len(obj)))
         for v in obj:
@@ -98,6 +202,11 @@ def encode_frame(kind: int, obj: Any) -> bytes:
     # A large payload is copied once, by the join, which lets go of the GIL (past
     # 1 MiB) as the hash does: a generating session's thread runs on meanwhile
     # (msgpack's own buffer held it for each copy, see docs/migration.md).
+    return b"".join(encode_frame_parts(kind, obj).buffers)
+
+
+def encode_frame_parts(kind: int, obj: Any) -> Parts:
+    """:func:`encode_frame` as its buffers: each large payload by reference."""
     pieces: list = []
     _pieces(obj, msgpack.Packer(use_bin_type=True), pieces)
     size = sum(memoryview(p).nbytes for p in pieces)
@@ -107,7 +216,7 @@ def encode_frame(kind: int, obj: Any) -> bytes:
     h = xxhash.xxh64(bytes([kind]))
     for p in pieces:
         h.update(p)
-    return b"".join((FRAME_HEAD.pack(kind, 0, 0, size, h.intdigest()), *pieces))
+    return Parts([FRAME_HEAD.pack(kind, 0, 0, size, h.intdigest()), *pieces])
 
 
 class FrameWriter:
@@ -133,6 +242,16 @@ class FrameWriter:
         self.count += 1
         return out + self._out(encode_frame(kind, obj))
 
+    def frame_parts(self, kind: int, obj: Any) -> Parts:
+        """:meth:`frame` as its buffers (payloads by reference: valid while they are)."""
+        head = [] if self.started else [self.start()]
+        self.count += 1
+        p = encode_frame_parts(kind, obj)
+        for b in p.buffers:
+            self.digest.update(b)
+        self.bytes += p.nbytes
+        return Parts(head + p.buffers) if head else p
+
     def trailer(self) -> bytes:
         t = encode_frame(TRAILER, {"frames": self.count, "digest": self.digest.hexdigest()})
         self.bytes += len(t)
@@ -146,7 +265,10 @@ def _after_trailer(n: int) -> str:
 class FrameDecoder:
     """Incremental, verifying decoder: feed bytes in any chunking, get frames."""
 
-    def __init__(self, max_total: int = 64 << 30) -> None:
+    def __init__(self, max_total: int = 64 << 30, views: bool = False) -> None:
+        # ``views``: a KV frame fed whole in one chunk is read in place, its payloads
+        # views of that chunk (Frame.borrowed): the caller keeps the chunk until applied
+        self.views = views
         self.buf = bytearray()
         self.digest = xxhash.xxh3_128()
         self.have_preamble = False
@@ -164,7 +286,7 @@ class FrameDecoder:
         if self.have_preamble and not self.buf:
             # whole frames in one chunk (a gRPC message each): read them where they are
             view = memoryview(data)
-            used = yield from self._frames(view)
+            used = yield from self._frames(view, self.views)
             self.buf += view[used:]
             self._nothing_after_trailer()
             return
@@ -194,9 +316,9 @@ class FrameDecoder:
         if self.done and self.buf:
             raise CheckpointError(_after_trailer(len(self.buf)))
 
-    def _frames(self, buf: memoryview):
+    def _frames(self, buf: memoryview, views: bool = False):
         """Verify and yield the whole frames at the start of ``buf``; returns the
-        bytes they took."""
+        bytes they took (``views``: KV bodies as :func:`unpack_views` reads them)."""
         pos = 0
         while len(buf) - pos >= FRAME_HEAD.size and not self.done:
             kind, r1, r2, n, checksum = FRAME_HEAD.unpack_from(buf, pos)
@@ -215,7 +337,8 @@ class FrameDecoder:
             if h.intdigest() != checksum:
                 raise CheckpointError(f"{where}: checksum mismatch (corrupted)")
             pos += FRAME_HEAD.size + n
-            obj = unpack(body, where)
+            borrowed = views and kind == KV
+            obj = unpack_views(body, where) if borrowed else unpack(body, where)
             if kind == TRAILER:
                 if not isinstance(obj, dict) or obj.get("frames") != self.index or \
                         obj.get("digest") != self.digest.hexdigest():
@@ -226,7 +349,7 @@ class FrameDecoder:
                 self.digest.update(raw)
             if kind != TRAILER and self.index == 0 and kind != HEADER:
                 raise CheckpointError(f"{where}: the first frame must be the header")
-            yield Frame(self.index, kind, obj, len(raw))
+            yield Frame(self.index, kind, obj, len(raw), borrowed)
             self.index += 1
         return pos
 

@@ -57,6 +57,7 @@ class Restorer:
         self.frames = 0
         self.caches: list = []
         self.lock = getattr(host, "compute", None) or threading.Lock()
+        self.borrowed = False  # the KV frame being applied holds views of a buffer its caller reuses
         self.kv_bytes = 0  # KV received so far
         self.reserved = 0  # cache room allocated (tokens received and to come)
         self._charged = [0]  # reserved in the host's count (ModelHost.kv_reserved)
@@ -73,6 +74,7 @@ class Restorer:
         elif self.header is None:
             raise CheckpointError(f"{where}: arrives before the header")
         elif f.kind == KV:
+            self.borrowed = f.borrowed  # its payloads are views of the caller's buffer: what is kept is copied
             batch = f.body.get("batch")
             if batch is None:
                 self._kv(f.body, where)
@@ -194,7 +196,7 @@ class Restorer:
                 meta = b.get("meta")
                 if not (isinstance(meta, list) and len(meta) == 4 and all(isinstance(x, int) for x in meta)):
                     raise CheckpointError(f"{where}: malformed rotating-cache meta state")
-                b = {**b, "_k": k, "_v": v}
+                b = {**b, "_k": self._kept(k), "_v": self._kept(v)}
             self.whole[i] = b
             return
         if cache["class"] == "QuantizedKVCache":
@@ -205,7 +207,8 @@ class Restorer:
                     raise CheckpointError(f"{where}: quantized {side} must be 3 tensors")
                 self._admit(sum(self._declared(x, f"{where} {side}[{j}]", t1 - t0, packed=True)
                                 for j, x in enumerate(blobs)), where)
-                arrs = [(codecs.decode(x, f"{where} {side}[{j}]"), x["dtype"]) for j, x in enumerate(blobs)]
+                arrs = [(self._kept((codecs.decode(x, f"{where} {side}[{j}]"), x["dtype"]))[0], x["dtype"])
+                        for j, x in enumerate(blobs)]
                 for a, _ in arrs:
                     if a.ndim != 4 or a.shape[1] != heads or a.shape[2] != t1 - t0:
                         raise CheckpointError(f"{where}: {side} shape {list(a.shape)} does not fit "
@@ -249,6 +252,12 @@ class Restorer:
                 del view
             c.offset = t1
         self.chunks[i].append((t0, t1, None))
+
+    def _kept(self, bits: tuple[np.ndarray, str]) -> tuple[np.ndarray, str]:
+        """A decoded blob that outlives its frame: its own copy if the frame's payloads
+        were borrowed (a lane's buffer is reused once the frame has landed)."""
+        a, dtype = bits
+        return (a.copy() if self.borrowed and not a.flags.owndata else a), dtype
 
     def _side(self, b: dict, side: str, where: str) -> tuple[np.ndarray, str]:
         """A float KV blob's bits (keys or values), in the dtype this host computes in."""

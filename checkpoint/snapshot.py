@@ -39,7 +39,7 @@ class Snapshotter:
     :class:`kvferry.session.Session`; only its ``state()``, ``history``, ``lm`` and
     ``host.compute``, the lock its host's steps hold, are read)."""
 
-    def __init__(self, session: Any, mode: str = "lossless"):
+    def __init__(self, session: Any, mode: str = "lossless", parts: bool = False):
         if mode not in codecs.MODES:
             raise CheckpointError(f"unknown checkpoint mode '{mode}' (choose from {', '.join(codecs.MODES)})")
         self.s, self.mode = session, mode
@@ -54,6 +54,10 @@ class Snapshotter:
         self.epoch = self.st.kv_epoch
         self.busy = {"extract": 0.0, "encode": 0.0}  # seconds spent copying KV out, and framing it
         self.lock = getattr(getattr(session, "host", None), "compute", None)
+        # ``parts``: KV frames whose payloads stay valid (read in place from a cache held
+        # still, or copied off a device) come as frames.Parts, for scatter-gather sends
+        self.parts = parts
+        self.stable = False  # what extract yields now stays valid after the next piece
 
     def shared(self) -> bool:
         """Whether the session's KV lives in buffers its host shares between sessions
@@ -118,7 +122,8 @@ class Snapshotter:
         the range stays valid between holds. Copies, not views: a view would pin the cache's
         buffer and make every later step copy the whole cache instead of
         updating it in place. Yielded pieces may live in reused scratch memory:
-        use each before asking for the next (as :meth:`encode` does)."""
+        use each before asking for the next (as :meth:`encode` does). Without a
+        lock the session is held still, and the pieces are views (:meth:`_views`)."""
         import mlx.core as mx
 
         caches = self.caches
@@ -129,10 +134,16 @@ class Snapshotter:
         self.sent_tokens = n
         step = max(1, chunk or n - t0)
         pieces = [(i, a, min(a + step, n)) for i in range(len(caches)) for a in range(t0, n, step)]
+        self.stable = False
         if not host_memory():
+            self.stable = True  # each batch is a host copy of its own
             yield from self._extract_device(pieces, n, lock, per_hold)
             return
         if self.kind == "KVCache" and np_kind(caches[0].state[0].dtype) is not None:
+            if lock is None:  # held still: read in place
+                self.stable = True
+                yield from self._views(pieces, n)
+                return
             yield from self._extract_np(pieces, n, lock, budget, per_hold)
             return
         j = 0
@@ -217,6 +228,23 @@ class Snapshotter:
             for i, a, b, (k, v), meta in read:
                 yield (i, a, b, k[0], v[0], None) if meta is None else (i, a, b, k, v, meta)
 
+    def _views(self, pieces: list[tuple[int, int, int]], n: int) -> Iterator[tuple]:
+        """:meth:`extract` of a session held still (paused, or between steps): views
+        of the cache's own buffers, no copy. A step taken while one is held copies
+        the layer instead of updating it in place (MLX never writes a buffer that
+        is referenced elsewhere), so a view never changes under its reader."""
+        start = time.perf_counter()
+        for i, a, b in pieces:
+            keys, values, _ = self._layer(i, n)
+            sides = []
+            for arr in (keys, values):
+                u, name = np_kind(arr.dtype)
+                sides.append((np.array(arr, copy=False)[..., a:b, :].view(u), name))
+            del keys, values, arr
+            self.busy["extract"] += time.perf_counter() - start
+            yield (i, a, b, sides[0], sides[1], None)
+            start = time.perf_counter()
+
     def _extract_np(self, pieces: list[tuple[int, int, int]], n: int, lock, budget: float,
                     per_hold: int | None = None) -> Iterator[tuple]:
         """:meth:`extract` for float32/float16 ``KVCache``: numpy copies pieces
@@ -278,7 +306,7 @@ class Snapshotter:
                 bodies.append(body)
                 self.busy["encode"] += time.perf_counter() - began
                 continue
-            frame = self.w.frame(KV, body)
+            frame = self.w.frame_parts(KV, body) if self.parts and self.stable else self.w.frame(KV, body)
             self.busy["encode"] += time.perf_counter() - began
             if self.rate:  # live pre-copy: a steady trickle leaves memory bandwidth to generation
                 now = time.perf_counter()

@@ -147,6 +147,10 @@ def status() -> dict:
     return dict(_status)
 
 
+KEEP_BELOW = 32 << 20  # glibc's largest mmap threshold: smaller blocks come from the heap
+KEEP_FREED = 4 << 30  # free heap memory a host keeps for reuse before it gives any back
+
+
 def worker_env() -> dict[str, str]:
     """Environment for Ray ``runtime_env`` so actors get the same BLAS even when
     they import MLX before kvferry."""
@@ -158,10 +162,22 @@ def worker_env() -> dict[str, str]:
         if os.environ.get(k):
             env[k] = os.environ[k]
     tunables = os.environ.get("GLIBC_TUNABLES", "")
+    add = []
     if sys.platform.startswith("linux") and os.environ.get("KVFERRY_HUGEPAGES", "1") != "0" \
             and "glibc.malloc.hugetlb" not in tunables:
         # MLX's big buffers (weights, KV caches) on transparent huge pages: measured
         # here, allocating a migrated-in cache costs half (39 vs 84 ms per 130 MB)
         # and decode steps run ~5% faster (fewer TLB misses)
-        env["GLIBC_TUNABLES"] = ":".join(x for x in (tunables, "glibc.malloc.hugetlb=1") if x)
+        add.append("glibc.malloc.hugetlb=1")
+    if sys.platform.startswith("linux") and os.environ.get("KVFERRY_KEEP_FREED", "1") != "0" \
+            and "glibc.malloc.trim_threshold" not in tunables and "glibc.malloc.mmap_threshold" not in tunables:
+        # KV freed (a session closed or moved away) stays in the host for the next one
+        # to land in, as vLLM's preallocated blocks: a layer's buffers (< 32 MiB) come
+        # from the heap, which is not given back. Memory new to the process costs its
+        # page faults, and on a VM whose freed pages go back to the hypervisor they
+        # were most of a migration's landing (see docs/performance.md, "KV lands in
+        # memory the host kept")
+        add += [f"glibc.malloc.mmap_threshold={KEEP_BELOW}", f"glibc.malloc.trim_threshold={KEEP_FREED}"]
+    if add:
+        env["GLIBC_TUNABLES"] = ":".join(x for x in (tunables, *add) if x)
     return env

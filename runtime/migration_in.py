@@ -33,7 +33,8 @@ AHEAD_FRAMES = 64  # frames held for order (lane and stream race at the live pau
 class Incoming:
     session_id: str
     restorer: Restorer
-    decoder: FrameDecoder = field(default_factory=FrameDecoder)
+    # KV read in place from the received frame (a lane's buffer goes back only after landing)
+    decoder: FrameDecoder = field(default_factory=lambda: FrameDecoder(views=True))
     next_seq: int = 0
     prepared: Any = None
     land_s: float = 0.0  # verifying and applying frames
@@ -146,7 +147,7 @@ class MigrationTarget(pbg.MigrationServicer):
                         inc.next_seq += 1
                         unacked += len(data)
                         if isinstance(f, LaneFrame):
-                            f.release()  # its buffer back to the lane: what landed was copied out
+                            f.release()  # its buffer back to the lane: what landed was copied (Restorer._kept)
                         f = inc.ahead.pop(inc.next_seq, None)
                     if inc.decoder.done and inc.prepared is None:
                         inc.prepared = inc.restorer.commit()

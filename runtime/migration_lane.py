@@ -31,6 +31,7 @@ import struct
 import threading
 from typing import Any, Callable, Iterator
 
+from .checkpoint.frames import Parts
 from .migration_wire import FrameView
 from .transport import MAX_MESSAGE, TLSConfig
 
@@ -46,6 +47,7 @@ MAX_HELLOS = 16  # connections not yet past their ticket: more are closed at onc
 INBOX_ITEMS = 64  # frames and messages a stream holds unread (a lane's reader waits beyond)
 POOL_BUFFERS = 4  # frame buffers a lane keeps for reuse: a fresh one costs its page faults each time
 JOIN_BELOW = 64 << 10  # a frame this small goes out in one send with its record head
+IOV_BATCH = 512  # buffers one sendmsg takes (Linux allows 1024)
 
 
 class LaneFrame(FrameView):
@@ -104,9 +106,11 @@ def _recv_exact(conn: socket.socket, n: int, buf: bytearray | None = None) -> by
 
 class Inbox:
     """What one Transfer stream handler reads: its gRPC messages, read directly
-    until a lane opens, then merged in order of arrival with the lane's frames (a
-    frame and the control message that depends on it never race: the source sends
-    commit only after the target said it restored every frame)."""
+    until a lane opens, then merged in order of arrival with the lane's frames. A
+    frame and the control message that depends on it never race (the source sends
+    commit only after the target said it restored every frame), but frames race
+    each other: a live pause's few go on the stream and may pass the lane's last
+    ones, which the handler puts back in order (``Incoming.ahead``)."""
 
     def __init__(self, requests: Iterator[Any]):
         self.requests = iter(requests)
@@ -268,6 +272,34 @@ def client_context(tls: TLSConfig | None) -> ssl.SSLContext | None:
     return ctx
 
 
+def _send(conn: socket.socket, buffers: list) -> None:
+    """``buffers`` in order, never joined: on a plain socket by ``sendmsg``
+    (scatter-gather, IOV_BATCH at a time); over TLS, which has no sendmsg, by one
+    ``sendall`` a buffer, the small ones (msgpack's heads) joined first."""
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    if isinstance(conn, ssl.SSLSocket):
+        small: list = []
+        for v in views + [None]:
+            if v is not None and v.nbytes < JOIN_BELOW:
+                small.append(v)
+                continue
+            if small:
+                conn.sendall(b"".join(small))
+                small = []
+            if v is not None:
+                conn.sendall(v)
+        return
+    i = 0
+    while i < len(views):
+        n = conn.sendmsg(views[i:i + IOV_BATCH])
+        while n and i < len(views):  # past what went, and into a buffer cut short
+            if n >= views[i].nbytes:
+                n -= views[i].nbytes
+                i += 1
+            else:
+                views[i], n = views[i][n:], 0
+
+
 class LaneWriter:
     """The source's end of a lane: frames go out in order on a thread of their own,
     so that the next frame is encoded while this one is on the wire."""
@@ -291,7 +323,7 @@ class LaneWriter:
         self.closed = False
         threading.Thread(target=self._run, daemon=True, name="kvferry-lane-out").start()
 
-    def put(self, seq: int, frame: bytes) -> None:
+    def put(self, seq: int, frame: bytes | Parts) -> None:
         self.q.put((seq, frame))
 
     def _run(self) -> None:
@@ -299,7 +331,9 @@ class LaneWriter:
             seq, frame = item
             try:
                 head = RECORD.pack(seq, len(frame))
-                if len(frame) < JOIN_BELOW:
+                if isinstance(frame, Parts):
+                    _send(self.conn, [head, *frame.buffers])
+                elif len(frame) < JOIN_BELOW:
                     self.conn.sendall(head + frame)
                 else:
                     self.conn.sendall(head)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .checkpoint.frames import Parts
 from .proto import kvferry_pb2 as pb
 
 _FRAME, _SEQ, _DATA = 0x12, 0x08, 0x12  # MigrationMessage.frame (2, bytes); FramePart.seq (1, varint), data (2)
@@ -30,11 +31,12 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def frame_message(seq: int, data: bytes) -> bytes:
+def frame_message(seq: int, data: bytes | Parts) -> bytes:
     """``MigrationMessage(frame=FramePart(seq, data))`` as protobuf encodes it: one
     join, which lets go of the GIL for a large frame."""
     part = bytes((_SEQ,)) + _varint(seq) + bytes((_DATA,)) + _varint(len(data))
-    return b"".join((bytes((_FRAME,)), _varint(len(part) + len(data)), part, data))
+    body = data.buffers if isinstance(data, Parts) else (data,)
+    return b"".join((bytes((_FRAME,)), _varint(len(part) + len(data)), part, *body))
 
 
 def write_message(m: Any) -> bytes:

@@ -511,6 +511,68 @@ def test_a_frame_joins_large_payloads_into_msgpacks_own_bytes():
         frames.encode_frame(KV, [b"\0" * (frames.MAX_BODY + 1)])
 
 
+def test_a_frame_in_parts_is_the_joined_frame_and_its_reader_borrows_only_large_payloads():
+    """The migration source writes KV frames as their buffers (frames.Parts, a
+    strided KV slice as its runs, frames.Gather), and the target reads them in
+    place (unpack_views): the bytes, the running digest and what is read back must
+    be exactly the joined path's."""
+    import msgpack
+
+    from kvferry.checkpoint import frames
+
+    rng = np.random.default_rng(1)
+    cache = rng.integers(0, 1 << 32, (1, 3, 700, 64), dtype=np.uint32)
+    kv = cache[..., 100:612, :]  # a layer's range read in place: one run a head
+    assert not kv.flags.c_contiguous
+    blob = codecs.encode(kv, "float32", "raw", borrow=True)
+    assert isinstance(blob["parts"][0], frames.Gather) and len(blob["parts"][0]) == 3
+    small = rng.integers(0, 255, 300, dtype=np.uint8).tobytes()
+    body = {"layer": 2, "start": 100, "end": 612, "keys": blob, "values": [small, -7, 2.5, None, True, "é"]}
+    joined, split = FrameWriter(), FrameWriter()
+    a, p = joined.frame(KV, body), split.frame_parts(KV, body)  # each writer's first: with the preamble
+    assert isinstance(p, frames.Parts) and len(p) == len(a) and bytes(p) == a
+    assert joined.trailer() == split.trailer()  # the same running digest
+    head = FrameWriter().frame(HEADER, {"h": 1})
+    dec = FrameDecoder(views=True)
+    got = list(dec.feed(head)) + list(dec.feed(a[frames.PREAMBLE.size:]))  # a chunk each, read in place
+    assert [f.borrowed for f in got] == [False, True]
+    read = got[1].body
+    assert isinstance(read["keys"]["parts"][0], memoryview)  # a view of the chunk fed
+    assert isinstance(read["values"][0], bytes)  # small payloads are copied out
+    assert np.array_equal(codecs.decode(read["keys"], "test"), kv)
+    plain = msgpack.unpackb(a[frames.PREAMBLE.size + frames.FRAME_HEAD.size:], raw=False)
+    assert not any(f.borrowed for f in FrameDecoder().feed(head + a[frames.PREAMBLE.size:]))  # not asked
+    read["keys"]["parts"][0] = bytes(read["keys"]["parts"][0])
+    assert read == plain
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(min_size=0, max_size=64), st.integers(0, 400), st.binary(min_size=1, max_size=4))
+def test_the_in_place_reader_refuses_what_msgpack_refuses(prefix, at, patch):
+    """Hostile bodies: unpack_views agrees with msgpack on every mutated body: the same
+    object, or a one-line CheckpointError."""
+    import msgpack
+
+    from kvferry.checkpoint import frames
+
+    good = msgpack.packb({"layer": 1, "keys": {"parts": [b"\1" * frames.SPLICE_BYTES], "shape": [1, 2]},
+                          "x": [1.5, -2, None, "t", {"n": 300}]}, use_bin_type=True)
+    for body in (prefix, good[:at], good[:at] + patch + good[at + len(patch):]):
+        try:
+            want = frames.unpack(body, "b")
+        except CheckpointError:
+            want = CheckpointError
+        try:
+            got = frames.unpack_views(memoryview(body), "b")
+        except CheckpointError as e:
+            assert "malformed msgpack body" in str(e)
+            got = CheckpointError
+        if want is CheckpointError or got is CheckpointError:
+            assert got is want
+        else:  # compared packed: views pack as bytes, and a NaN equals itself
+            assert msgpack.packb(got, use_bin_type=True) == msgpack.packb(want, use_bin_type=True)
+
+
 def test_codecs_from_many_threads_at_once():
     """A host encodes and decodes on many threads at once (migrations, drains,
     restores): zstd contexts shared between them corrupted the heap and killed

@@ -109,7 +109,7 @@ def test_dropped_connection_resumes_from_the_last_verified_frame(pair, monkeypat
 
     a, b = pair
     c, s, twin = conversation(a)
-    real_next = server._Link._next_ack
+    real_next = server.Link._next_ack
     state = {"dropped": False, "resumed_at": None}
 
     def flaky(self):
@@ -120,7 +120,7 @@ def test_dropped_connection_resumes_from_the_last_verified_frame(pair, monkeypat
             state["resumed_at"] = self.acked
             return None
         return real_next(self)
-    monkeypatch.setattr(server._Link, "_next_ack", flaky)
+    monkeypatch.setattr(server.Link, "_next_ack", flaky)
     m = s.migrate(to=b.address)
     assert state["dropped"] and state["resumed_at"] >= 3
     assert s.host == b.address and s.id in b.host.sessions and s.id not in a.host.sessions
@@ -136,7 +136,7 @@ def test_link_drops_after_the_target_committed(pair, monkeypatch):
 
     a, b = pair
     c, s, twin = conversation(a)
-    real_commit = server._Link.commit
+    real_commit = server.Link.commit
     seen = {}
 
     def lossy_commit(self):
@@ -149,7 +149,7 @@ def test_link_drops_after_the_target_committed(pair, monkeypatch):
         seen["state"] = self.state
         if self.state != "committed":
             return real_commit(self)
-    monkeypatch.setattr(server._Link, "commit", lossy_commit)
+    monkeypatch.setattr(server.Link, "commit", lossy_commit)
     s.migrate(to=b.address)
     assert seen["state"] == "committed"
     assert s.id in b.host.sessions and s.id not in a.host.sessions
@@ -242,7 +242,7 @@ def test_commit_answer_lost_is_resolved_not_guessed(pair, monkeypatch):
         while s.id not in b.host.sessions and time.time() < deadline:
             time.sleep(0.01)
         raise _lost()
-    monkeypatch.setattr(server._Link, "_commit", lost_answer)
+    monkeypatch.setattr(server.Link, "_commit", lost_answer)
     s.migrate(to=b.address)
     assert s.id in b.host.sessions and s.id not in a.host.sessions  # exactly once
     assert s.host == b.address
@@ -261,7 +261,7 @@ def test_commit_lost_before_the_target_is_resolved_to_the_source(pair, monkeypat
     def never_sent(self):
         links.append(self)
         raise _lost()
-    monkeypatch.setattr(server._Link, "_commit", never_sent)
+    monkeypatch.setattr(server.Link, "_commit", never_sent)
     with pytest.raises(RemoteError, match="did not commit"):
         s.migrate(to=b.address)
     assert s.id in a.host.sessions and s.id not in b.host.sessions and s.host == a.address
@@ -286,16 +286,16 @@ def test_target_that_gave_up_refuses_a_late_commit(pair, monkeypatch):
     monkeypatch.setattr(migration_in, "PREPARED_TTL", 0.3)
     monkeypatch.setattr(host_server, "JANITOR_S", 0.05)
     time.sleep(5.5)  # the janitors' current 5 s naps end: from now on they sweep every 50 ms
-    real = server._Link.wait_restored
+    real = server.Link.wait_restored
 
     def slow_commit(self):
         real(self)
         time.sleep(1.0)  # idle past the target's TTL between "restored" and commit
-    monkeypatch.setattr(server._Link, "wait_restored", slow_commit)
+    monkeypatch.setattr(server.Link, "wait_restored", slow_commit)
     with pytest.raises(RemoteError):
         s.migrate(to=b.address)
     assert s.id in a.host.sessions and s.id not in b.host.sessions
-    monkeypatch.setattr(server._Link, "wait_restored", real)
+    monkeypatch.setattr(server.Link, "wait_restored", real)
     assert "".join(s.send("more")) == "".join(twin.send("more"))
 
 
@@ -308,18 +308,18 @@ def test_a_drain_refuses_a_commit_that_would_land_after_its_listing(pair, monkey
 
     a, b = pair
     c, s, twin = conversation(a)
-    real = server._Link.wait_restored
+    real = server.Link.wait_restored
     outcomes = []
 
     def drain_meanwhile(self):
         real(self)
         outcomes.extend(b.drain(timeout=5))  # the target drains between "restored" and commit
-    monkeypatch.setattr(server._Link, "wait_restored", drain_meanwhile)
+    monkeypatch.setattr(server.Link, "wait_restored", drain_meanwhile)
     try:
         with pytest.raises(RemoteError, match="draining"):
             s.migrate(to=b.address)
     finally:
-        monkeypatch.setattr(server._Link, "wait_restored", real)
+        monkeypatch.setattr(server.Link, "wait_restored", real)
         b.draining = False
         b.set_serving(True)
     assert s.id in a.host.sessions and s.id not in b.host.sessions and s.host == a.address
@@ -555,7 +555,7 @@ def test_a_live_pause_sends_its_frames_on_the_stream_and_the_target_orders_them(
     a, b = pair
     c, s, twin = conversation(a, max_tokens=40)
     ref = [ch.token for ch in twin.events("keep going") if ch.token >= 0]
-    real_put, real_link_put = migration_lane.LaneWriter.put, migration_out._Link._put
+    real_put, real_link_put = migration_lane.LaneWriter.put, migration_out.Link._put
     held: list = []
     on_stream: list[int] = []
 
@@ -574,7 +574,7 @@ def test_a_live_pause_sends_its_frames_on_the_stream_and_the_target_orders_them(
                 held[0] = None
                 real_put(w, q, f)
     monkeypatch.setattr(migration_lane.LaneWriter, "put", lane_put)
-    monkeypatch.setattr(migration_out._Link, "_put", link_put)
+    monkeypatch.setattr(migration_out.Link, "_put", link_put)
     th, got = reading(s, "keep going", first=4)
     m = Client(a.address, TOKEN).session(s.id).migrate(to=b.address, live=True, mode="raw")
     th.join(60)

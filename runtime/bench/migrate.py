@@ -193,11 +193,11 @@ def transfer(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, n
                stream_phases_ms=stream["phases_ms"],
                lane_over_stream=round(row["transfer_mb_s"] / max(stream["transfer_mb_s"], 1e-9), 3))
     wire = ceiling.measure(row["raw_kv_bytes"], reps=max(3, reps))  # the same bytes over bare gRPC, same run
-    lane = ceiling.measure_lane(row["raw_kv_bytes"], reps=max(3, reps))  # and over a bare lane
+    bare_lane = ceiling.measure_lane(row["raw_kv_bytes"], reps=max(3, reps))  # and over a bare lane
     row.update(grpc_ceiling_mb_s=wire["mb_s"], grpc_ceiling_mb_s_reps=wire["reps"],
                transfer_over_ceiling=round(row["transfer_mb_s"] / max(wire["mb_s"], 1e-9), 3),
-               lane_ceiling_mb_s=lane["mb_s"], lane_ceiling_mb_s_reps=lane["reps"],
-               transfer_over_lane_ceiling=round(row["transfer_mb_s"] / max(lane["mb_s"], 1e-9), 3))
+               lane_ceiling_mb_s=bare_lane["mb_s"], lane_ceiling_mb_s_reps=bare_lane["reps"],
+               transfer_over_lane_ceiling=round(row["transfer_mb_s"] / max(bare_lane["mb_s"], 1e-9), 3))
     return row
 
 

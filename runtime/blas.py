@@ -170,14 +170,17 @@ def worker_env() -> dict[str, str]:
         # and decode steps run ~5% faster (fewer TLB misses)
         add.append("glibc.malloc.hugetlb=1")
     if sys.platform.startswith("linux") and os.environ.get("KVFERRY_KEEP_FREED", "1") != "0" \
-            and "glibc.malloc.trim_threshold" not in tunables and "glibc.malloc.mmap_threshold" not in tunables:
+            and not any(f"glibc.malloc.{t}" in tunables for t in ("trim_threshold", "mmap_threshold", "arena_max")):
         # KV freed (a session closed or moved away) stays in the host for the next one
         # to land in, as vLLM's preallocated blocks: a layer's buffers (< 32 MiB) come
-        # from the heap, which is not given back. Memory new to the process costs its
-        # page faults, and on a VM whose freed pages go back to the hypervisor they
-        # were most of a migration's landing (see docs/performance.md, "KV lands in
-        # memory the host kept")
-        add += [f"glibc.malloc.mmap_threshold={KEEP_BELOW}", f"glibc.malloc.trim_threshold={KEEP_FREED}"]
+        # from the heap, which is not given back, and from one arena, whichever thread
+        # frees or lands them (a migration lands on a gRPC thread). Memory new to the
+        # process costs its page faults: on this VM they were most of a migration's
+        # landing, and after a prefill a transfer ran at 41-754 MB/s instead of
+        # ~1.1-1.3 GB/s (docs/performance.md, "KV lands in memory the host kept").
+        # Decode with 1 and 4 sessions measured the same with one arena.
+        add += [f"glibc.malloc.mmap_threshold={KEEP_BELOW}", f"glibc.malloc.trim_threshold={KEEP_FREED}",
+                "glibc.malloc.arena_max=1"]
     if add:
         env["GLIBC_TUNABLES"] = ":".join(x for x in (tunables, *add) if x)
     return env

@@ -62,3 +62,27 @@ def test_importing_kvferry_first_is_enough_and_importing_mlx_first_is_reported()
     assert "libblas" in late, late
     assert runs[0].stdout.split() == ["reference"]
     assert "mlx was imported before kvferry" in runs[0].stderr
+
+
+def test_host_actors_keep_freed_kv_unless_told_not_to(monkeypatch):
+    """Host actors start with malloc settings that keep freed KV for the next landing
+    (one arena, no trimming, a layer's buffers from the heap); KVFERRY_KEEP_FREED=0
+    drops them, and tunables the user set are left as they are."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc tunables are Linux's")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("KVFERRY_KEEP_FREED", raising=False)
+    monkeypatch.delenv("KVFERRY_HUGEPAGES", raising=False)
+    got = blas.worker_env()["GLIBC_TUNABLES"].split(":")
+    assert {"glibc.malloc.arena_max=1", f"glibc.malloc.mmap_threshold={blas.KEEP_BELOW}",
+            f"glibc.malloc.trim_threshold={blas.KEEP_FREED}", "glibc.malloc.hugetlb=1"} == set(got)
+    monkeypatch.setenv("KVFERRY_KEEP_FREED", "0")
+    assert blas.worker_env()["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    monkeypatch.setenv("KVFERRY_HUGEPAGES", "0")
+    assert "GLIBC_TUNABLES" not in blas.worker_env()
+    monkeypatch.delenv("KVFERRY_KEEP_FREED")
+    monkeypatch.delenv("KVFERRY_HUGEPAGES")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4")
+    assert blas.worker_env()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1"

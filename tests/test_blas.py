@@ -6,6 +6,7 @@ import sys
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from kvferry import blas
 

@@ -238,9 +238,7 @@ class FrameWriter:
         return self._out(preamble())
 
     def frame(self, kind: int, obj: Any) -> bytes:
-        out = b"" if self.started else self.start()
-        self.count += 1
-        return out + self._out(encode_frame(kind, obj))
+        return bytes(self.frame_parts(kind, obj))  # one join, the preamble in it
 
     def frame_parts(self, kind: int, obj: Any) -> Parts:
         """:meth:`frame` as its buffers (payloads by reference: valid while they are)."""

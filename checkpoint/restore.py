@@ -196,7 +196,7 @@ class Restorer:
                 meta = b.get("meta")
                 if not (isinstance(meta, list) and len(meta) == 4 and all(isinstance(x, int) for x in meta)):
                     raise CheckpointError(f"{where}: malformed rotating-cache meta state")
-                b = {**b, "_k": self._kept(k), "_v": self._kept(v)}
+                b = {**b, "_k": (self._kept(k[0]), k[1]), "_v": (self._kept(v[0]), v[1])}
             self.whole[i] = b
             return
         if cache["class"] == "QuantizedKVCache":
@@ -207,8 +207,7 @@ class Restorer:
                     raise CheckpointError(f"{where}: quantized {side} must be 3 tensors")
                 self._admit(sum(self._declared(x, f"{where} {side}[{j}]", t1 - t0, packed=True)
                                 for j, x in enumerate(blobs)), where)
-                arrs = [(self._kept((codecs.decode(x, f"{where} {side}[{j}]"), x["dtype"]))[0], x["dtype"])
-                        for j, x in enumerate(blobs)]
+                arrs = [(self._kept(codecs.decode(x, f"{where} {side}[{j}]")), x["dtype"]) for j, x in enumerate(blobs)]
                 for a, _ in arrs:
                     if a.ndim != 4 or a.shape[1] != heads or a.shape[2] != t1 - t0:
                         raise CheckpointError(f"{where}: {side} shape {list(a.shape)} does not fit "
@@ -253,11 +252,10 @@ class Restorer:
             c.offset = t1
         self.chunks[i].append((t0, t1, None))
 
-    def _kept(self, bits: tuple[np.ndarray, str]) -> tuple[np.ndarray, str]:
+    def _kept(self, a: np.ndarray) -> np.ndarray:
         """A decoded blob that outlives its frame: its own copy if the frame's payloads
         were borrowed (a lane's buffer is reused once the frame has landed)."""
-        a, dtype = bits
-        return (a.copy() if self.borrowed and not a.flags.owndata else a), dtype
+        return a.copy() if self.borrowed and not a.flags.owndata else a
 
     def _side(self, b: dict, side: str, where: str) -> tuple[np.ndarray, str]:
         """A float KV blob's bits (keys or values), in the dtype this host computes in."""

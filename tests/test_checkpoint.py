@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvferry.guests import GUESTS_DIR
-from kvferry.checkpoint import codecs, restore, snapshot
+from kvferry.checkpoint import blob, codecs, quant, restore, snapshot
 from kvferry.checkpoint.errors import CheckpointError
 from kvferry.checkpoint.frames import HEADER, KV, Frame, FrameDecoder, FrameWriter, iter_frames
 from kvferry.host import ModelHost
@@ -209,7 +209,7 @@ def test_codecs_roundtrip_and_ratios():
             if bits == 4:
                 wide = np.full(u.size, 9, np.int8).view(np.uint8).tobytes()
                 with pytest.raises(CheckpointError, match="codes out of range"):
-                    codecs.decode({**q, "parts": [codecs._z(wide), *q["parts"][1:]]}, "t")
+                    codecs.decode({**q, "parts": [blob.compress(wide), *q["parts"][1:]]}, "t")
         raw = codecs.encode(u, dtype, "raw")
         assert raw["codec"] == "raw" and np.array_equal(codecs.decode(raw, "t"), u)
         with pytest.raises(CheckpointError, match="t: payload is .* bytes, expected"):
@@ -241,14 +241,30 @@ def test_int4_keys_keep_outlier_channels():
     assert codecs.encode(u, "float32", "int4", "values")["codec"] == "sq4"
     for bad in ({"meta": {**q["meta"], "k": 64}}, {"meta": {**q["meta"], "k": "4"}},
                 {"meta": {**q["meta"], "base_outliers": -10 ** 6}},
-                {"parts": [*q["parts"][:4], codecs._z(bytes([5, 3] + list(range(10, 10 + 2 * k - 2))))]},  # unordered
-                {"parts": [*q["parts"][:4], codecs._z(bytes(list(range(64 - 2 * k + 1, 65))))]},  # past the head dim
+                {"parts": [*q["parts"][:4], blob.compress(bytes([5, 3] + list(range(10, 10 + 2 * k - 2))))]},  # unordered
+                {"parts": [*q["parts"][:4], blob.compress(bytes(list(range(64 - 2 * k + 1, 65))))]},  # past the head dim
                 {"parts": [q["parts"][0][:10], *q["parts"][1:]]}, {"parts": q["parts"][:3]}):
         with pytest.raises(CheckpointError, match="^t: "):
             codecs.decode({**q, **bad}, "t")
     wide = np.full(2 * 300 * (64 - codecs.OUTLIERS), 9, np.int8).view(np.uint8).tobytes()
     with pytest.raises(CheckpointError, match="codes out of range"):
-        codecs.decode({**q, "parts": [codecs._z(wide), *q["parts"][1:]]}, "t")
+        codecs.decode({**q, "parts": [blob.compress(wide), *q["parts"][1:]]}, "t")
+
+
+def test_checkpoints_of_the_earlier_affine_codec_still_load():
+    """Blobs written as ``q8``/``q4`` (keys grouped along time, values along the head dim) decode
+    close to the tensor, and a malformed layout is one line."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 2, 130, 64)).astype(np.float32)
+    u = x.view(np.uint32)
+    for bits, axis, tol in ((8, "t", 0.02), (4, "d", 0.2), (4, "t", 0.2)):
+        q = quant.encode_quantized(u, "float32", bits, axis=axis)
+        assert q["codec"] == f"q{bits}"
+        back = codecs.decode(q, "t").view(np.float32)
+        assert back.shape == x.shape
+        assert np.abs(back - x).max() / np.abs(x).max() < tol, (bits, axis)
+        with pytest.raises(CheckpointError, match="^t: malformed quantized layout"):
+            codecs.decode({**q, "meta": {**q["meta"], "layout": [1, 2, 3]}}, "t")
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -366,7 +382,7 @@ def test_decompression_bombs(host, good):
     with pytest.raises(CheckpointError, match=r"frame 1 \(kv\) keys: declares float32\[1, 2, 8589934592, 64\], this model.s KV is"):
         restore_bytes(host, data)
     # a stream that inflates past its declared size
-    bomb = codecs._z(bytes(64 << 20))
+    bomb = blob.compress(bytes(64 << 20))
     liar = {"codec": "zstd", "dtype": "float32", "shape": [1, 2, 4, 16], "nbytes": 512, "parts": [bomb], "meta": {}}
     data = _craft([(1, header), (KV, {"layer": 0, "start": 0, "end": 4, "keys": liar, "values": liar})])
     with pytest.raises(CheckpointError, match="larger than declared"):
@@ -463,7 +479,7 @@ def test_a_declared_shape_cannot_wrap_around():
     """2^32 x 2^32 elements: a uint64 product wraps to 0 bytes and passed the size
     check; Python integers do not wrap."""
     with pytest.raises(CheckpointError, match="over the 8 GiB tensor limit"):
-        codecs._check_shape([1 << 32, 1 << 32], "float32", "crafted")
+        blob.check_shape([1 << 32, 1 << 32], "float32", "crafted")
 
 
 def test_save_never_writes_through_a_planted_symlink(host, tmp_path):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint import codecs
+from ..checkpoint import codecs, quant
 
 REFERENCE_TOKENS = 64
 
@@ -105,7 +105,7 @@ def run(model: str | None = None, contexts=(512, 2048), modes=codecs.MODES, wind
         results["session_kv_dtype"] = own
         keys_vals = [a.view(np.float32) for a in f32]
         f16 = [np.ascontiguousarray(a.astype(np.float16)).view(np.uint16) for a in keys_vals]
-        bf16 = [codecs._from_float32(a, "bfloat16") for a in keys_vals]
+        bf16 = [quant.from_float32(a, "bfloat16") for a in keys_vals]
         raw16 = sum(a.nbytes for a in f16)
         raw_own = sum(a.nbytes for a in f32)
         others = [_window(lm, ids[s:s + ctx]) for s in starts[1:]]

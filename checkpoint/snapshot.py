@@ -54,10 +54,9 @@ class Snapshotter:
         self.epoch = self.st.kv_epoch
         self.busy = {"extract": 0.0, "encode": 0.0}  # seconds spent copying KV out, and framing it
         self.lock = getattr(getattr(session, "host", None), "compute", None)
-        # ``parts``: KV frames whose payloads stay valid (read in place from a cache held
-        # still, or copied off a device) come as frames.Parts, for scatter-gather sends
+        # ``parts``: KV frames of pieces that stay valid (:meth:`lasting`) come as
+        # frames.Parts, for scatter-gather sends
         self.parts = parts
-        self.stable = False  # what extract yields now stays valid after the next piece
 
     def shared(self) -> bool:
         """Whether the session's KV lives in buffers its host shares between sessions
@@ -111,6 +110,13 @@ class Snapshotter:
         }
         return self.w.frame(HEADER, head)
 
+    def lasting(self, lock=None) -> bool:
+        """Whether :meth:`extract` with ``lock`` yields pieces that stay valid after the next
+        one, so that :meth:`encode` may frame them by reference: a device batch is a host
+        copy of its own, and a host-memory KVCache held still (no lock) is read in place."""
+        return not host_memory() or (lock is None and self.kind == "KVCache"
+                                     and np_kind(self.caches[0].state[0].dtype) is not None)
+
     def extract(self, upto: int | None = None, lock=None, budget: float = 0.002,
                 chunk: int | None = None, per_hold: int | None = None) -> Iterator[tuple]:
         """Copy the KV of tokens [sent_tokens, upto) out of the cache, layer by layer
@@ -134,16 +140,13 @@ class Snapshotter:
         self.sent_tokens = n
         step = max(1, chunk or n - t0)
         pieces = [(i, a, min(a + step, n)) for i in range(len(caches)) for a in range(t0, n, step)]
-        self.stable = False
         if not host_memory():
-            self.stable = True  # each batch is a host copy of its own
             yield from self._extract_device(pieces, n, lock, per_hold)
             return
+        if self.lasting(lock):  # held still: read in place
+            yield from self._views(pieces, n)
+            return
         if self.kind == "KVCache" and np_kind(caches[0].state[0].dtype) is not None:
-            if lock is None:  # held still: read in place
-                self.stable = True
-                yield from self._views(pieces, n)
-                return
             yield from self._extract_np(pieces, n, lock, budget, per_hold)
             return
         j = 0
@@ -286,10 +289,11 @@ class Snapshotter:
                 self.busy["extract"] += time.perf_counter() - start
             yield from out
 
-    def encode(self, extracted: Iterable[tuple], batch: bool = False) -> Iterator[bytes]:
+    def encode(self, extracted: Iterable[tuple], batch: bool = False, lasting: bool = False) -> Iterator[bytes]:
         """KV frames from :meth:`extract`'s copies (no lock needed): one per layer,
         or with ``batch`` one frame for all of them (a small final delta, where
-        per-frame costs would dominate)."""
+        per-frame costs would dominate). ``lasting``: the pieces stay valid
+        (:meth:`lasting`), so with ``parts`` a frame's payloads are referenced, not joined."""
         bodies = []
         for i, t0, n, k, v, meta in extracted:
             began = time.perf_counter()
@@ -306,7 +310,7 @@ class Snapshotter:
                 bodies.append(body)
                 self.busy["encode"] += time.perf_counter() - began
                 continue
-            frame = self.w.frame_parts(KV, body) if self.parts and self.stable else self.w.frame(KV, body)
+            frame = self.w.frame_parts(KV, body) if self.parts and lasting else self.w.frame(KV, body)
             self.busy["encode"] += time.perf_counter() - began
             if self.rate:  # live pre-copy: a steady trickle leaves memory bandwidth to generation
                 now = time.perf_counter()
@@ -322,13 +326,13 @@ class Snapshotter:
         delta (``batch``) in one hold, so a live migration's pause waits for at most
         one step of the others; a whole KV in holds of ~1 MB pieces, up to 10 ms each."""
         if self.lock is None or not self.shared():
-            yield from self.encode(self.extract(upto), batch)
+            yield from self.encode(self.extract(upto), batch, self.lasting())
         elif batch:
             yield from self.encode(self.extract(upto, lock=self.lock, budget=float("inf"),
-                                                per_hold=len(self.caches)), batch)
+                                                per_hold=len(self.caches)), batch, self.lasting(self.lock))
         else:
             yield from self.encode(self.extract(upto, lock=self.lock, budget=0.01, chunk=self.chunk_tokens(1 << 20),
-                                                per_hold=16), batch)
+                                                per_hold=16), batch, self.lasting(self.lock))
 
     def _enc(self, u: np.ndarray, dtype: str, exact: bool = False, role: str = "values",
              borrow: bool = False) -> dict:

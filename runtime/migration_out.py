@@ -104,7 +104,8 @@ class MigrationSource:
                     sn.rate = t.rate or precopy_rate(s, self.host.device.kind)
                     # short holds of the compute lock to copy, encoding outside them;
                     # each frame goes out as soon as it is encoded
-                    link.send(sn.encode(sn.extract(upto, lock=self.host.compute, chunk=chunk)))
+                    link.send(sn.encode(sn.extract(upto, lock=self.host.compute, chunk=chunk),
+                                        lasting=sn.lasting(self.host.compute)))
                     # the target lands what it was sent before the pause, not in it: a
                     # backlog (up to the window) landed inside the pause lengthened it
                     link.settle()
@@ -191,7 +192,8 @@ class MigrationSource:
                     sample.extend([(p[3][0].copy(), p[3][1]), (p[4][0].copy(), p[4][1])])
                 yield p
         t0, sent0 = time.perf_counter(), link.bytes
-        link.send(sn.encode(tap(sn.extract(upto, lock=self.host.compute, chunk=chunk))))
+        link.send(sn.encode(tap(sn.extract(upto, lock=self.host.compute, chunk=chunk)),
+                              lasting=sn.lasting(self.host.compute)))
         wire = link.wait_acked_bytes(sent0, t0)  # MB/s, or 0.0 when too little was sent to tell
         modes = ("lossless", "int8") if t.allow_lossy else ("lossless",)
         c = choose(wire, codec_costs(sample, modes) if sample and wire else {})

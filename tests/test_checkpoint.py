@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvferry.guests import GUESTS_DIR
 from kvferry.checkpoint import blob, codecs, quant, restore, snapshot
 from kvferry.checkpoint.errors import CheckpointError
-from kvferry.checkpoint.frames import HEADER, KV, Frame, FrameDecoder, FrameWriter, iter_frames
+from kvferry.checkpoint.frames import HEADER, KV, Frame, FrameDecoder, FrameWriter, Parts, iter_frames
 from kvferry.host import ModelHost
 from kvferry.session import SamplingParams, SessionOptions
 
@@ -126,6 +126,22 @@ def test_chunked_stream_appends_in_place(host):
     r.apply(Frame(0, HEADER, {**head, "cache": {**head["cache"], "tokens": 1 << 21}}, 0))
     r.apply(kv[0])
     assert r.caches[0].keys.shape[2] <= 512
+
+
+def test_a_session_held_still_is_framed_by_reference_and_a_running_one_by_copy(host):
+    """With ``parts``, the KV of a session held still comes as frames.Parts that reference its
+    cache (and equal the joined frames byte for byte); pieces copied under the compute lock, which
+    a lane reuses, are joined."""
+    s = host.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    chat_turns(s, ["one two three"])
+    joined = list(snapshot.Snapshotter(s, "raw").kv())
+    sn = snapshot.Snapshotter(s, "raw", parts=True)
+    assert sn.lasting() and not sn.lasting(host.compute)
+    held = list(sn.kv())
+    assert held and all(isinstance(f, Parts) for f in held)
+    assert [bytes(f) for f in held] == joined
+    copied = list(sn.encode(snapshot.Snapshotter(s, "raw").extract(lock=host.compute), lasting=False))
+    assert all(isinstance(f, bytes) for f in copied)
 
 
 def test_extract_on_an_accelerator_reads_its_copies_after_the_hold(host, monkeypatch):

@@ -343,8 +343,8 @@ def test_long_live_migration_that_keeps_sending_is_not_expired(pair, monkeypatch
     monkeypatch.setattr(server, "PRECOPY_CHUNK", 1)  # 16-token frames
     real = snapshot.Snapshotter.encode
 
-    def slow(self, extracted, batch=False):
-        for f in real(self, extracted, batch):
+    def slow(self, extracted, batch=False, lasting=False):
+        for f in real(self, extracted, batch, lasting):
             time.sleep(0.3)  # < TTL between frames, > TTL in all
             yield f
     monkeypatch.setattr(snapshot.Snapshotter, "encode", slow)

@@ -257,8 +257,9 @@ def test_int4_keys_keep_outlier_channels():
     assert codecs.encode(u, "float32", "int4", "values")["codec"] == "sq4"
     for bad in ({"meta": {**q["meta"], "k": 64}}, {"meta": {**q["meta"], "k": "4"}},
                 {"meta": {**q["meta"], "base_outliers": -10 ** 6}},
-                {"parts": [*q["parts"][:4], blob.compress(bytes([5, 3] + list(range(10, 10 + 2 * k - 2))))]},  # unordered
-                {"parts": [*q["parts"][:4], blob.compress(bytes(list(range(64 - 2 * k + 1, 65))))]},  # past the head dim
+                # outlier channels unordered, then past the head dim
+                {"parts": [*q["parts"][:4], blob.compress(bytes([5, 3] + list(range(10, 10 + 2 * k - 2))))]},
+                {"parts": [*q["parts"][:4], blob.compress(bytes(list(range(64 - 2 * k + 1, 65))))]},
                 {"parts": [q["parts"][0][:10], *q["parts"][1:]]}, {"parts": q["parts"][:3]}):
         with pytest.raises(CheckpointError, match="^t: "):
             codecs.decode({**q, **bad}, "t")

@@ -114,8 +114,10 @@ class Snapshotter:
         """Whether :meth:`extract` with ``lock`` yields pieces that stay valid after the next
         one, so that :meth:`encode` may frame them by reference: a device batch is a host
         copy of its own, and a host-memory KVCache held still (no lock) is read in place."""
-        return not host_memory() or (lock is None and self.kind == "KVCache"
-                                     and np_kind(self.caches[0].state[0].dtype) is not None)
+        if not host_memory():
+            return True
+        keys = getattr(self.caches[0], "keys", None) if lock is None and self.kind == "KVCache" else None
+        return keys is not None and np_kind(keys.dtype) is not None  # None: an empty cache
 
     def extract(self, upto: int | None = None, lock=None, budget: float = 0.002,
                 chunk: int | None = None, per_hold: int | None = None) -> Iterator[tuple]:

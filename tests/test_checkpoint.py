@@ -133,6 +133,8 @@ def test_a_session_held_still_is_framed_by_reference_and_a_running_one_by_copy(h
     cache (and equal the joined frames byte for byte); pieces copied under the compute lock, which
     a lane reuses, are joined."""
     s = host.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    fresh = snapshot.Snapshotter(s, "raw", parts=True)  # no KV yet: nothing to frame, and no error
+    assert not fresh.lasting() and list(fresh.kv()) == []
     chat_turns(s, ["one two three"])
     joined = list(snapshot.Snapshotter(s, "raw").kv())
     sn = snapshot.Snapshotter(s, "raw", parts=True)

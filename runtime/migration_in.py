@@ -12,6 +12,7 @@ from typing import Any
 from .checkpoint.frames import FrameDecoder
 from .checkpoint.restore import Restorer
 from .errors import KvferryError, MigrationError, ModelMismatchError, SessionExistsError
+from .handoff_trace import mark
 from .migration_lane import Inbox, LaneBroken, LaneFrame
 from .migration_wire import FrameView, read_message
 from .proto import kvferry_pb2 as pb
@@ -150,7 +151,9 @@ class MigrationTarget(pbg.MigrationServicer):
                             f.release()  # its buffer back to the lane: what landed was copied (Restorer._kept)
                         f = inc.ahead.pop(inc.next_seq, None)
                     if inc.decoder.done and inc.prepared is None:
+                        mark("target_landed", inc.session_id)
                         inc.prepared = inc.restorer.commit()
+                        mark("target_prepared", inc.session_id)
                         yield pb.MigrationAck(state="restored", next_seq=inc.next_seq, session_id=inc.session_id,
                                               phases_ms={"land": inc.land_s * 1e3,
                                                          "prepare": (time.perf_counter() - landed) * 1e3})
@@ -161,6 +164,7 @@ class MigrationTarget(pbg.MigrationServicer):
                         continue
                     acked_seq, unacked = inc.next_seq, 0
                 elif kind == "commit":
+                    mark("target_commit", mid)
                     if inc is None or inc.prepared is None:
                         raise KvferryError("commit before a verified restore")
                     with srv.registry_lock:  # the check and the adoption at once: commit is idempotent
@@ -193,6 +197,7 @@ class MigrationTarget(pbg.MigrationServicer):
                             t = inc.prepared.turn
                             feed = srv.feeds[inc.session_id] = TurnFeed(earlier=list(zip(t.tokens, t.texts)))
                             srv.drivers.submit(srv.drive, inc.session_id, slot, feed)
+                    mark("target_adopted", inc.session_id)
                     yield pb.MigrationAck(state="committed", next_seq=inc.next_seq, session_id=inc.session_id)
                     # Bookkeeping waits for the landed turn's first token: on a shared
                     # machine it would slow the step the client is waiting for.

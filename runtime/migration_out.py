@@ -9,12 +9,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import grpc
 
 from .checkpoint.snapshot import Snapshotter
 from .errors import ForbiddenError, KvferryError, MigrationError, UnknownSessionError
+from .handoff_trace import mark
 from .linkaware import PROBE_BYTES, SAMPLE_BYTES, choose, codec_costs
 from .migration_link import InDoubt, Link, target_refused
 from .proto import kvferry_pb2 as pb
@@ -40,6 +41,14 @@ def precopy_rate(s, device: str = "cpu") -> float:
     if s.turn is None or not s.step_seconds:
         return PRECOPY_RATE
     return min(max(PRECOPY_STEP_BYTES / s.step_seconds, 5e6), PRECOPY_MAX.get(device, PRECOPY_MAX["cpu"]))
+
+
+def _marked(frames: Iterator[bytes], sid: str) -> Iterator[bytes]:
+    """``frames``, each one marked in the handoff trace (the last delta, the
+    state, the guest, the trailer)."""
+    for k, f in enumerate(frames):
+        mark(f"source_final_frame{k}", sid)
+        yield f
 
 
 @dataclass
@@ -115,11 +124,14 @@ class MigrationSource:
             t_wait = time.perf_counter()
             pause = self.pause(sid, slot)  # stop-and-copy, or the live final stage
             t_pause = time.perf_counter()
+            mark("source_paused", sid)
             link.on_stream = t.live and sn.incremental  # a few tokens' KV and the small state
-            link.send(sn.finish())  # streamed: the target verifies and lands while we encode
+            link.send(_marked(sn.finish(), sid))  # streamed: the target verifies and lands while we encode
             t_sent = time.perf_counter()
+            mark("source_sent", sid)
             link.wait_restored()
             t_restored = time.perf_counter()
+            mark("source_restored", sid)
             try:
                 link.commit()
             except InDoubt:
@@ -129,6 +141,7 @@ class MigrationSource:
                 raise MigrationError(f"migration to {t.target}: the commit's answer was lost; the session "
                                      "stays paused here until the target says whether it committed") from None
             t.pause_ms = (time.perf_counter() - t_pause) * 1000
+            mark("source_committed", sid)
             t.phases_ms = {"extract": sn.busy["extract"] * 1e3, "encode": sn.busy["encode"] * 1e3,
                            "wire": link.waited * 1e3, **link.target_phases,
                            "pause_wait": (t_pause - t_wait) * 1e3, "final": (t_sent - t_pause) * 1e3,

@@ -29,6 +29,7 @@ from .checkpoint.snapshot import snapshot
 from .drain import DRAIN_TIMEOUT, Drainer
 from .errors import (ConfigError, ForbiddenError, GuestError, HostDrainingError, InternalError, KvferryError,
                      ModelMismatchError, SessionBusyError, UnknownSessionError)
+from .handoff_trace import mark
 from .keys import NOBODY, CallQuota, Key, Keyring
 from .host import ModelHost
 from .migration_in import Incoming, MigrationTarget, expire
@@ -278,6 +279,7 @@ class _Sessions(pbg.SessionsServicer):
         per_message = min(srv.host.policy.stream_interval, max(1, r.chunk_tokens))  # kvferry.stream_chunks
         feed = srv.feeds.get(r.session_id)
         if r.continue_turn and feed is not None:
+            mark("target_followed", r.session_id)
             yield from coalesce(self._follow(feed, r.from_index, context), per_message)
             return
         slot = srv.slot(r.session_id)

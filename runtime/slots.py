@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from .errors import SessionMovedError, UnknownSessionError
+from .handoff_trace import mark
 
 MOVED_TTL = 600.0  # s: how long a host remembers where a session went (redirects)
 from .proto import kvferry_pb2 as pb
@@ -165,6 +166,7 @@ class TurnDriver:
                 p.resume.wait()
                 if p.committed:
                     if p.target:
+                        mark("source_moved_to", s.id)
                         yield pb.TokenChunk(index=ev.index + 1, token=-1, moved_to=p.target)
                     else:  # saved by a drain: this host stops; the reply resumes where it is restored
                         yield pb.TokenChunk(index=-1, token=-1, finish_reason="error",
@@ -183,6 +185,8 @@ class TurnDriver:
         try:
             s = self.host.get(sid)
             for c in self.run_turn(s, slot, s.continue_turn(len(feed.earlier)), read):
+                if not feed.chunks:
+                    mark("target_first_token", sid)
                 feed.put(c)
                 time.sleep(0)  # hand the GIL to the follower now, not after the next step's graph
             if not feed.cancel and s.turn is not None:  # paused unread: the turn stays open for

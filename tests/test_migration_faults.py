@@ -595,3 +595,35 @@ def test_a_target_that_refuses_mid_transfer_is_heard_not_resumed(pair, monkeypat
             s.migrate(to=b.address, mode="raw", live=False)
         assert s.host == a.address and s.id in a.host.sessions and s.id not in b.host.sessions
     assert "".join(s.send("more")) == "".join(twin.send("more"))
+
+
+def test_the_handoff_trace_lines_up_both_hosts_on_one_clock(pair, monkeypatch, tmp_path):
+    """KVFERRY_STEP_TRACE also records a live migration's handoff on both hosts, on
+    one clock, in the order the protocol makes them happen: paused, last delta out,
+    landed and prepared on the target, restored, commit, adopted, committed, the
+    client told where to go; the target generates on and its client follows it."""
+    import json
+
+    from kvferry import handoff_trace
+
+    monkeypatch.setenv("KVFERRY_STEP_TRACE", str(tmp_path))
+    monkeypatch.setattr(handoff_trace, "_opened", False)
+    monkeypatch.setattr(handoff_trace, "_file", None)
+    a, b = pair
+    c, s, twin = conversation(a, max_tokens=40)
+    ref = [ch.token for ch in twin.events("keep going") if ch.token >= 0]
+    th, got = reading(s, "keep going", first=4)
+    Client(a.address, TOKEN).session(s.id).migrate(to=b.address, live=True, mode="raw")
+    th.join(60)
+    assert got == ref
+    handoff_trace._file.close()
+    events = [json.loads(line) for f in tmp_path.glob("handoff-*.jsonl") for line in f.read_text().splitlines()]
+    t = {}
+    for e in events:
+        t.setdefault(e["event"], e["t"])  # (target_commit names the migration; the rest the session)
+        assert e["session"] == s.id or e["event"] == "target_commit"
+    order = ["source_paused", "source_final_frame0", "source_final_frame1", "target_landed", "target_prepared",
+             "source_restored", "target_commit", "target_adopted", "source_committed", "source_moved_to",
+             "target_followed"]
+    assert [t[k] for k in order] == sorted(t[k] for k in order)
+    assert t["source_sent"] <= t["source_restored"] and t["target_adopted"] <= t["target_first_token"]

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from ..errors import KvferryError
+from ..handoff_trace import mark
 from .loopback import LoopbackHost, free_port
 
 FILLER = ("The lighthouse keeper wrote in his log every night: the weather, the ships, the birds, "
@@ -222,6 +223,9 @@ def _one(a: LoopbackHost, b: LoopbackHost, token: str, ck: Path, sid: str, live:
             got.append(c.token)
             if m.host == b.address and not handoff:
                 handoff.append(len(got) - 1)
+                if len(stamps) > 1:  # the handoff gap's ends, on the host traces' clock (KVFERRY_STEP_TRACE)
+                    mark("client_last_from_source", sid, stamps[-2])
+                mark("client_first_from_target", sid, stamps[-1])
             if handoff and len(got) - handoff[0] >= after:
                 break  # closing the stream; the session is closed below
     # The client is the stopwatch: no garbage collection pause of its own in a gap

@@ -57,6 +57,7 @@ class Snapshotter:
         # ``parts``: KV frames of pieces that stay valid (:meth:`lasting`) come as
         # frames.Parts, for scatter-gather sends
         self.parts = parts
+        self.extra_read: list | None = None  # _extract_device's extra, read (the step ahead's)
 
     def shared(self) -> bool:
         """Whether the session's KV lives in buffers its host shares between sessions
@@ -120,7 +121,7 @@ class Snapshotter:
         return keys is not None and np_kind(keys.dtype) is not None  # None: an empty cache
 
     def extract(self, upto: int | None = None, lock=None, budget: float = 0.002,
-                chunk: int | None = None, per_hold: int | None = None) -> Iterator[tuple]:
+                chunk: int | None = None, per_hold: int | None = None, extra: list | None = None) -> Iterator[tuple]:
         """Copy the KV of tokens [sent_tokens, upto) out of the cache, layer by layer
         (and with ``chunk``, in token ranges of at most that many tokens).
 
@@ -143,7 +144,7 @@ class Snapshotter:
         step = max(1, chunk or n - t0)
         pieces = [(i, a, min(a + step, n)) for i in range(len(caches)) for a in range(t0, n, step)]
         if not host_memory():
-            yield from self._extract_device(pieces, n, lock, per_hold)
+            yield from self._extract_device(pieces, n, lock, per_hold, extra)
             return
         if self.lasting(lock):  # held still: read in place
             yield from self._views(pieces, n)
@@ -180,7 +181,7 @@ class Snapshotter:
         return state
 
     def _extract_device(self, pieces: list[tuple[int, int, int]], n: int, lock,
-                        per_hold: int | None = None) -> Iterator[tuple]:
+                        per_hold: int | None = None, extra: list | None = None) -> Iterator[tuple]:
         """:meth:`extract` on an accelerator: a hold only queues device copies of a
         few pieces (microseconds); they are waited for once, after it, and read on
         the host. Waiting inside the hold, as the CPU does, waited for the step in
@@ -192,7 +193,8 @@ class Snapshotter:
         per piece (a stop-and-copy's raw transfer on the H200 went from 194 to 430
         MB/s, 1B shape at 2k tokens). The copies keep the cache's buffer
         referenced until they run, so a step meanwhile writes a copy of it: bytes
-        the device moves in microseconds."""
+        the device moves in microseconds. ``extra``: (bits, name) MLX arrays read with
+        the first batch, their host copies left in ``self.extra_read``."""
         import mlx.core as mx
 
         per_hold = per_hold or (8 if lock is not None else len(pieces))
@@ -211,10 +213,11 @@ class Snapshotter:
                                    else {"group_size": meta[0], "bits": meta[1]}))
                     del keys, values, sides
                 parts = [u for q in queued for side in q[3] for u, _ in side]
+                ride, extra = [u for u, _ in extra or []], None
                 # one buffer for the batch, read on the host once: MLX CUDA moves each array
                 # it reads to unified memory (an allocation, a copy and a free that waits for
                 # the device), and a delta of 30 layers made 60 such reads beside the steps
-                flat = mx.concatenate([u.reshape(-1).view(mx.uint8) for u in parts])
+                flat = mx.concatenate([u.reshape(-1).view(mx.uint8) for u in parts + ride])
                 mx.async_eval(flat)
                 j += len(queued)
                 self.busy["extract"] += time.perf_counter() - start
@@ -222,14 +225,17 @@ class Snapshotter:
             data = np.array(flat)  # the copy is this thread's: waited for without the lock
             del flat
             self.busy["extract"] += time.perf_counter() - began
-            edges = np.cumsum([0] + [u.nbytes for u in parts]).tolist()
-            views = iter([data[lo:hi].view(np_bits_type(u.dtype)).reshape(u.shape)
-                          for u, lo, hi in zip(parts, edges, edges[1:])])  # in the order of parts
+            edges = np.cumsum([0] + [u.nbytes for u in parts + ride]).tolist()
+            copies = [data[lo:hi].view(np_bits_type(u.dtype)).reshape(u.shape)
+                      for u, lo, hi in zip(parts + ride, edges, edges[1:])]  # in the order of parts
+            if ride:
+                self.extra_read = copies[len(parts):]
+            views = iter(copies[:len(parts)])
             # the host's pieces, and no MLX array left: a lazy slice kept while the consumer
             # sends would pin the cache's buffer, and the session's steps would copy it whole
             read = [(i, a, b, [[(next(views), name) for _, name in side] for side in sides], meta)
                     for i, a, b, sides, meta in queued]
-            del parts, queued
+            del parts, queued, ride
             for i, a, b, (k, v), meta in read:
                 yield (i, a, b, k[0], v[0], None) if meta is None else (i, a, b, k, v, meta)
 
@@ -322,19 +328,66 @@ class Snapshotter:
         if bodies:
             yield self.w.frame(KV, {"batch": bodies})
 
-    def kv(self, upto: int | None = None, batch: bool = False) -> Iterator[bytes]:
+    def kv(self, upto: int | None = None, batch: bool = False, extra: list | None = None) -> Iterator[bytes]:
         """KV frames for tokens [sent_tokens, upto) of every layer (a delta) of a
         session held still. Shared buffers are read under the compute lock: a small
         delta (``batch``) in one hold, so a live migration's pause waits for at most
-        one step of the others; a whole KV in holds of ~1 MB pieces, up to 10 ms each."""
+        one step of the others; a whole KV in holds of ~1 MB pieces, up to 10 ms each.
+        ``extra``: see :meth:`_extract_device`."""
         if self.lock is None or not self.shared():
-            yield from self.encode(self.extract(upto), batch, self.lasting())
+            yield from self.encode(self.extract(upto, extra=extra), batch, self.lasting())
         elif batch:
-            yield from self.encode(self.extract(upto, lock=self.lock, budget=float("inf"),
-                                                per_hold=len(self.caches)), batch, self.lasting(self.lock))
+            yield from self.encode(self.extract(upto, lock=self.lock, budget=float("inf"), per_hold=len(self.caches),
+                                                extra=extra), batch, self.lasting(self.lock))
         else:
             yield from self.encode(self.extract(upto, lock=self.lock, budget=0.01, chunk=self.chunk_tokens(1 << 20),
-                                                per_hold=16), batch, self.lasting(self.lock))
+                                                per_hold=16, extra=extra), batch, self.lasting(self.lock))
+
+    def ahead_parts(self, st: Any) -> tuple[int, list] | None:
+        """The step this session's host already ran for its turn's next token, where a
+        speculated step is held for it (kvferry.speculation): that token and, not yet
+        read, its K/V (one past each cache's offset, layer by layer), the guessed token
+        and its logits. The target's first step takes them instead of running the
+        model: on a GPU that forward pass was a third of a live migration's handoff.
+        They are read with the last delta (:meth:`_extract_device`'s ``extra``): on MLX
+        CUDA each read of the host waits for the device and frees what it moved, and a
+        read of their own cost the pause ~12 ms on an H200. None where there is no such step."""
+        import mlx.core as mx
+
+        held = getattr(getattr(getattr(self.s, "host", None), "steps", None), "held_guess", None)
+        if os.environ.get("KVFERRY_STEP_AHEAD") == "0":  # (an A/B of it: the target then runs that step)
+            return None
+        if held is None or self.lock is None or st.turn is None or not st.turn["tokens"] or self.kind != "KVCache":
+            return None
+        token, n = st.turn["tokens"][-1], len(st.history)
+        # shared buffers only under the lock (other rows' steps rewrite them); a session's own
+        # caches are still while it is paused, and its guess stays until it comes back
+        with self.lock if self.shared() else contextlib.nullcontext():
+            guess = held(self.s)
+            if guess is None or any(c.offset != n or c.keys is None or c.keys.shape[2] <= n for c in self.caches):
+                return None
+            parts = [mx_bits_lazy(x[..., n:n + 1, :]) for c in self.caches for x in (c.keys, c.values)]
+            parts += [mx_bits_lazy(guess[0]), mx_bits_lazy(guess[1])]  # whether it is the token's, read with it
+            mx.async_eval([u for u, _ in parts])
+        return token, parts
+
+    def ahead_frame(self, token: int, parts: list, read: list | None) -> dict | None:
+        """The state frame's ``ahead`` from :meth:`ahead_parts` (``read``: their host
+        copies, if they went with the last delta), or None if the guess was another token."""
+        import mlx.core as mx
+
+        if read is None:  # no delta read on a device to ride with (none left, or host memory)
+            flat = mx.concatenate([u.reshape(-1).view(mx.uint8) for u, _ in parts])
+            data = np.array(flat)
+            edges = np.cumsum([0] + [u.nbytes for u, _ in parts]).tolist()
+            read = [data[lo:hi].view(np_bits_type(u.dtype)).reshape(u.shape)
+                    for (u, _), lo, hi in zip(parts, edges, edges[1:])]
+        if int(read[-2]) != token:
+            return None  # the guest chose another token than the guess: the target runs that step
+        mode = "raw" if self.mode == "raw" else "lossless"  # exact, whatever the KV's codec
+        blobs = [codecs.encode(np.ascontiguousarray(u), name, mode)
+                 for u, (_, name) in zip(read[:-2] + read[-1:], parts[:-2] + parts[-1:])]
+        return {"token": int(token), "keys": blobs[0:-1:2], "values": blobs[1:-1:2], "logits": blobs[-1]}
 
     def _enc(self, u: np.ndarray, dtype: str, exact: bool = False, role: str = "values",
              borrow: bool = False) -> dict:
@@ -352,8 +405,11 @@ class Snapshotter:
             raise CheckpointError("the KV cache was rewritten (a new turn trimmed it) after part of "
                                   "it was sent; migrate again")
         n = len(st.history)
+        ahead = self.ahead_parts(st)
+        self.extra_read = None
         # after pre-copy only a few tokens remain: one frame for all layers
-        yield from self.kv(n, batch=0 < n - self.sent_tokens <= 64 and self.sent_tokens > 0)
+        yield from self.kv(n, batch=0 < n - self.sent_tokens <= 64 and self.sent_tokens > 0,
+                           extra=ahead[1] if ahead else None)
         if not self.incremental:
             for i, c in enumerate(st.caches):
                 body: dict[str, Any] = {"layer": i, "start": 0, "end": n, "whole": True, "meta": None}
@@ -364,10 +420,12 @@ class Snapshotter:
                     body["values"] = self._blob(values)
                 yield self.w.frame(KV, body)
         history = np.asarray(st.history, dtype=np.int32)
-        yield self.w.frame(STATE, {
-            "n_tokens": n, "history": codecs.encode_bytes(history.tobytes()),
-            "messages": st.messages, "sampling": _plain(asdict(st.sampling)), "turn": st.turn,
-        })
+        state = {"n_tokens": n, "history": codecs.encode_bytes(history.tobytes()),
+                 "messages": st.messages, "sampling": _plain(asdict(st.sampling)), "turn": st.turn}
+        if ahead is not None and (a := self.ahead_frame(*ahead, self.extra_read)) is not None:
+            state["ahead"] = a
+        self.extra_read = None
+        yield self.w.frame(STATE, state)
         mem = st.memory
         yield self.w.frame(GUEST, {
             "sha256": st.module.sha256, "label": st.module.label,

@@ -133,6 +133,7 @@ class StepScheduler(Speculation, StepForward):
         self.stats = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch_seen": 0,
                       "forward_s": 0.0,  # time in forward passes (the rest: guests and waiting)
                       "speculated": 0, "speculation_hits": 0, "prefill_logits": 0,
+                      "landed_steps": 0,  # first steps a migrated session took from its source (speculation)
                       "resident_joins": 0, "resident_steps": 0}  # shared KV rows (kvferry.resident)
         self.last_rows = 0  # rows of the last decode step (a gauge)
         self._trace = _open_trace(os.environ.get("KVFERRY_STEP_TRACE"))

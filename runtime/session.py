@@ -137,6 +137,8 @@ class Session:
         self._prefill_budget = self._decode_budget = 0
         self._prompt_left = 0
         self._ahead: tuple[int, Any, Any] | None = None  # a decode the host ran ahead (guest_step)
+        # (token, logits) of a step the host it came from ran (a checkpoint's ahead): its first step
+        self.landed_step: tuple[int, Any] | None = None
         self.last_used = time.monotonic()  # idle expiry (serve --session-ttl)
         self.owner = ""  # the name of the key that created it (kvferry.keys)
         self.closed = False
@@ -523,4 +525,5 @@ class Session:
             self.guest.model = None
             self.guest.close()
             self.cache = []
+            self.landed_step = None
             self.closed = True

@@ -59,6 +59,9 @@ class Speculation:
         waited for (the next step is guessed first)."""
         import mlx.core as mx
 
+        for r in rows:
+            if getattr(r.session, "landed_step", None) is not None:
+                self._land(r.session)
         if not self.guesses:
             return self._forward(rows, plan, wait=wait)
         hit, read = {}, {}
@@ -85,6 +88,30 @@ class Speculation:
         if wait:
             mx.eval(out)
         return out
+
+    def held_guess(self, session: Any) -> tuple[Any, Any] | None:
+        """(Any thread, ``session`` held still.) The step this host already ran for
+        ``session``'s next token, on its guess: (the guessed token, the logits), device
+        arrays not read here, whose K/V sit one past each cache's offset; None when there
+        is none. A migration's pause takes it along where the guess is the guest's token
+        (kvferry.checkpoint.snapshot's ``ahead``): the token is read with the rest, not
+        alone (on MLX CUDA a read waits for the device)."""
+        g = self.guesses.get(session)
+        if g is None or session.closed or not session.cache or session.cache[0].offset != g.offset \
+                or session.kv_epoch != g.epoch or len(session.history) != g.n:
+            return None
+        return g.tokens[g.row], g.logits
+
+    def _land(self, session: Any) -> None:
+        """A landed session's step run by the host it came from (``landed_step``: the
+        token and its logits; its K/V were written one past each cache's offset): its
+        guessed step here, so its first step on this host runs no forward pass."""
+        import mlx.core as mx
+
+        token, logits = session.landed_step
+        session.landed_step = None
+        self.guesses[session] = _Guess(mx.array([token], dtype=mx.int32), 0, logits, session)
+        self.stats["landed_steps"] += 1
 
     def first_logits(self, req: Any, logits: Any) -> None:
         """A prompt prefilled with its last token on the prefill thread

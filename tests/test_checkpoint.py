@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvferry.guests import GUESTS_DIR
 from kvferry.checkpoint import blob, codecs, quant, restore, snapshot
 from kvferry.checkpoint.errors import CheckpointError
-from kvferry.checkpoint.frames import HEADER, KV, Frame, FrameDecoder, FrameWriter, Parts, iter_frames
+from kvferry.checkpoint.frames import HEADER, KV, STATE, TRAILER, Frame, FrameDecoder, FrameWriter, Parts, iter_frames
 from kvferry.host import ModelHost
 from kvferry.session import SamplingParams, SessionOptions
 
@@ -634,3 +634,19 @@ sys.exit(1 if errors else 0)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.returncode, r.stdout[-500:], r.stderr[-1500:])
+
+
+@pytest.mark.parametrize("ahead", [{"token": 1, "keys": [], "values": [], "logits": {}}, [1, 2], "x"])
+def test_a_step_ahead_that_is_not_one_of_the_turns_is_refused(host, ahead):
+    """A state frame's ``ahead`` (the step a speculating source ran for the turn's next
+    token) that does not fit, here for a session with no turn in progress: one line."""
+    s = host.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    chat_turns(s, ["hi"])
+    w, out = FrameWriter(), []
+    for f in iter_frames(snapshot.snapshot(s, "raw")):
+        if f.kind == TRAILER:
+            out.append(w.trailer())
+        else:
+            out.append(w.frame(f.kind, {**f.body, "ahead": ahead} if f.kind == STATE else f.body))
+    with pytest.raises(CheckpointError, match="^state frame: ahead: malformed"):
+        restore_bytes(host, b"".join(out), session_id="other")

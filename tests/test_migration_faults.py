@@ -627,3 +627,52 @@ def test_the_handoff_trace_lines_up_both_hosts_on_one_clock(pair, monkeypatch, t
              "target_followed"]
     assert [t[k] for k in order] == sorted(t[k] for k in order)
     assert t["source_sent"] <= t["source_restored"] and t["target_adopted"] <= t["target_first_token"]
+
+
+@pytest.fixture(scope="module")
+def speculating_pair(smollm):
+    from kvferry.policy import HostPolicy
+
+    # SmolLM2 (the tiny model repeats one token: a wrong K/V would not show in its reply)
+    hosts = [ModelHost(lm=smollm, progress=False, policy=HostPolicy(speculate=True)) for _ in range(2)]
+    servers = [HostServer(h, "127.0.0.1:0", token=TOKEN).start() for h in hosts]
+    servers[0].peers, servers[1].peers = (servers[1].address,), (servers[0].address,)
+    yield servers
+    for s, h in zip(servers, hosts):
+        s.stop()
+        h.close()
+
+
+@pytest.mark.parametrize("live,device", [(True, False), (False, False), (True, True)],
+                         ids=["live", "stop-copy", "live-device-reads"])
+def test_the_step_a_source_ran_ahead_goes_along_and_the_target_takes_it(speculating_pair, live, device,
+                                                                        monkeypatch):
+    """A speculating source has run the step of the turn's next token before the pause
+    (its guest's token confirmed the guess): the pause sends that step's K/V and logits
+    with the state, and the target's first step takes them instead of running the
+    model. The reply goes on exactly as the unmigrated twin's. ``device``: the KV is
+    read as on a GPU (MLX copies read once), the step's pieces riding with the last delta."""
+    from kvferry.checkpoint import snapshot
+
+    if device:
+        monkeypatch.setattr(snapshot, "host_memory", lambda: False)
+        rode = []
+        real = snapshot.Snapshotter.ahead_frame
+        def ahead_frame(self, token, parts, read):
+            rode.append(read is not None)
+            return real(self, token, parts, read)
+        monkeypatch.setattr(snapshot.Snapshotter, "ahead_frame", ahead_frame)
+    a, b = speculating_pair
+    c, s, twin = conversation(a, max_tokens=80)  # long enough to move mid-reply
+    ref = [ch.token for ch in twin.events("keep going") if ch.token >= 0]
+    landed0 = b.host.steps.stats["landed_steps"]
+    hits0 = b.host.steps.stats["speculation_hits"]
+    th, got = reading(s, "keep going", first=4)
+    Client(a.address, TOKEN).session(s.id).migrate(to=b.address, live=live, mode="raw")
+    th.join(60)
+    assert got == ref and len(got) == 80
+    assert b.host.steps.stats["landed_steps"] == landed0 + 1
+    assert b.host.steps.stats["speculation_hits"] > hits0  # taken, not turned down
+    assert not device or rode == [True]  # read with the last delta, not on their own
+    s.close()
+    twin.close()

@@ -29,6 +29,7 @@ from .mlxbits import cast_bits, host_memory, mx_from_bits, np_kind, oom
 PAGE = 65536
 MAX_GUEST_BYTES = 4 << 30
 MAX_TOKENS = 1 << 22
+MAX_LOGITS = 1 << 22  # a step's logits a checkpoint may carry (its "ahead"): a vocabulary this wide at most
 
 
 def _release(host: Any, charged: list) -> None:
@@ -420,12 +421,13 @@ class Restorer:
         if a is None:
             return None
         where = "state frame: ahead"
-        vocab = self.host.lm.config["vocab_size"]
         logits = a.get("logits") if isinstance(a, dict) else None
+        shape = logits.get("shape") if isinstance(logits, dict) else None  # one row: the model's output width
         if not (isinstance(a, dict) and isinstance(a.get("token"), int) and turn is not None and turn["tokens"]
                 and a["token"] == turn["tokens"][-1] and isinstance(a.get("keys"), list)
                 and isinstance(a.get("values"), list) and len(a["keys"]) == len(a["values"]) == len(caches)
-                and isinstance(logits, dict) and logits.get("shape") == [vocab] and logits.get("dtype") == "float32"):
+                and isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)
+                and 0 < shape[0] <= MAX_LOGITS and logits.get("dtype") == "float32"):
             raise CheckpointError(f"{where}: malformed (not the turn's next token, or not one step of this model)")
         if any(c.offset != n or c.keys is None or c.keys.shape[2] <= n for c in caches):
             return None

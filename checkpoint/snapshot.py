@@ -34,6 +34,21 @@ def cache_kind(c) -> str:
 DEVICE_BATCH_BYTES = 64 << 20  # KV copied on an accelerator before one wait: bounds the extra memory
 
 
+def _joined(arrays: list) -> Any:
+    """MLX arrays as one uint8 buffer (lazy), to read on the host at once: MLX CUDA moves
+    each array it reads to unified memory (an allocation, a copy and a free that waits
+    for the device), so many small reads cost many waits."""
+    import mlx.core as mx
+
+    return mx.concatenate([u.reshape(-1).view(mx.uint8) for u in arrays])
+
+
+def _split(data: np.ndarray, arrays: list) -> list[np.ndarray]:
+    """:func:`_joined`'s buffer read on the host (``data``) -> a view per array, its shape and bits type."""
+    edges = np.cumsum([0] + [u.nbytes for u in arrays]).tolist()
+    return [data[lo:hi].view(np_bits_type(u.dtype)).reshape(u.shape) for u, lo, hi in zip(arrays, edges, edges[1:])]
+
+
 class Snapshotter:
     """Emits a session's checkpoint frame by frame (``session``: a
     :class:`kvferry.session.Session`; only its ``state()``, ``history``, ``lm`` and
@@ -57,7 +72,6 @@ class Snapshotter:
         # ``parts``: KV frames of pieces that stay valid (:meth:`lasting`) come as
         # frames.Parts, for scatter-gather sends
         self.parts = parts
-        self.extra_read: list | None = None  # _extract_device's extra, read (the step ahead's)
 
     def shared(self) -> bool:
         """Whether the session's KV lives in buffers its host shares between sessions
@@ -193,8 +207,8 @@ class Snapshotter:
         per piece (a stop-and-copy's raw transfer on the H200 went from 194 to 430
         MB/s, 1B shape at 2k tokens). The copies keep the cache's buffer
         referenced until they run, so a step meanwhile writes a copy of it: bytes
-        the device moves in microseconds. ``extra``: (bits, name) MLX arrays read with
-        the first batch, their host copies left in ``self.extra_read``."""
+        the device moves in microseconds. ``extra``: a list of (bits, name) MLX arrays read
+        with the first batch; their host copies replace them in it."""
         import mlx.core as mx
 
         per_hold = per_hold or (8 if lock is not None else len(pieces))
@@ -213,11 +227,10 @@ class Snapshotter:
                                    else {"group_size": meta[0], "bits": meta[1]}))
                     del keys, values, sides
                 parts = [u for q in queued for side in q[3] for u, _ in side]
-                ride, extra = [u for u, _ in extra or []], None
-                # one buffer for the batch, read on the host once: MLX CUDA moves each array
-                # it reads to unified memory (an allocation, a copy and a free that waits for
-                # the device), and a delta of 30 layers made 60 such reads beside the steps
-                flat = mx.concatenate([u.reshape(-1).view(mx.uint8) for u in parts + ride])
+                ride, more, extra = [u for u, _ in extra or []], extra, None
+                # one buffer for the batch, read on the host once: a delta of 30 layers
+                # made 60 reads beside the steps
+                flat = _joined(parts + ride)
                 mx.async_eval(flat)
                 j += len(queued)
                 self.busy["extract"] += time.perf_counter() - start
@@ -225,17 +238,15 @@ class Snapshotter:
             data = np.array(flat)  # the copy is this thread's: waited for without the lock
             del flat
             self.busy["extract"] += time.perf_counter() - began
-            edges = np.cumsum([0] + [u.nbytes for u in parts + ride]).tolist()
-            copies = [data[lo:hi].view(np_bits_type(u.dtype)).reshape(u.shape)
-                      for u, lo, hi in zip(parts + ride, edges, edges[1:])]  # in the order of parts
+            copies = _split(data, parts + ride)  # in the order of parts
             if ride:
-                self.extra_read = copies[len(parts):]
+                more[:] = [(u, name) for u, (_, name) in zip(copies[len(parts):], more)]
             views = iter(copies[:len(parts)])
             # the host's pieces, and no MLX array left: a lazy slice kept while the consumer
             # sends would pin the cache's buffer, and the session's steps would copy it whole
             read = [(i, a, b, [[(next(views), name) for _, name in side] for side in sides], meta)
                     for i, a, b, sides, meta in queued]
-            del parts, queued, ride
+            del parts, queued, ride, more
             for i, a, b, (k, v), meta in read:
                 yield (i, a, b, k[0], v[0], None) if meta is None else (i, a, b, k, v, meta)
 
@@ -354,9 +365,9 @@ class Snapshotter:
         read of their own cost the pause ~12 ms on an H200. None where there is no such step."""
         import mlx.core as mx
 
-        held = getattr(getattr(getattr(self.s, "host", None), "steps", None), "held_guess", None)
         if os.environ.get("KVFERRY_STEP_AHEAD") == "0":  # (an A/B of it: the target then runs that step)
             return None
+        held = getattr(getattr(getattr(self.s, "host", None), "steps", None), "held_guess", None)
         if held is None or self.lock is None or st.turn is None or not st.turn["tokens"] or self.kind != "KVCache":
             return None
         token, n = st.turn["tokens"][-1], len(st.history)
@@ -371,22 +382,17 @@ class Snapshotter:
             mx.async_eval([u for u, _ in parts])
         return token, parts
 
-    def ahead_frame(self, token: int, parts: list, read: list | None) -> dict | None:
-        """The state frame's ``ahead`` from :meth:`ahead_parts` (``read``: their host
-        copies, if they went with the last delta), or None if the guess was another token."""
-        import mlx.core as mx
-
-        if read is None:  # no delta read on a device to ride with (none left, or host memory)
-            flat = mx.concatenate([u.reshape(-1).view(mx.uint8) for u, _ in parts])
-            data = np.array(flat)
-            edges = np.cumsum([0] + [u.nbytes for u, _ in parts]).tolist()
-            read = [data[lo:hi].view(np_bits_type(u.dtype)).reshape(u.shape)
-                    for (u, _), lo, hi in zip(parts, edges, edges[1:])]
-        if int(read[-2]) != token:
+    def ahead_frame(self, token: int, parts: list) -> dict | None:
+        """The state frame's ``ahead`` from :meth:`ahead_parts` (read on the host already if
+        they went with the last delta), or None if the guess was another token."""
+        arrays, names = [u for u, _ in parts], [name for _, name in parts]
+        if not isinstance(arrays[0], np.ndarray):  # no delta read on a device to ride with
+            arrays = _split(np.array(_joined(arrays)), arrays)
+        if int(arrays[-2]) != token:
             return None  # the guest chose another token than the guess: the target runs that step
         mode = "raw" if self.mode == "raw" else "lossless"  # exact, whatever the KV's codec
         blobs = [codecs.encode(np.ascontiguousarray(u), name, mode)
-                 for u, (_, name) in zip(read[:-2] + read[-1:], parts[:-2] + parts[-1:])]
+                 for u, name in zip(arrays[:-2] + arrays[-1:], names[:-2] + names[-1:])]
         return {"token": int(token), "keys": blobs[0:-1:2], "values": blobs[1:-1:2], "logits": blobs[-1]}
 
     def _enc(self, u: np.ndarray, dtype: str, exact: bool = False, role: str = "values",
@@ -406,7 +412,6 @@ class Snapshotter:
                                   "it was sent; migrate again")
         n = len(st.history)
         ahead = self.ahead_parts(st)
-        self.extra_read = None
         # after pre-copy only a few tokens remain: one frame for all layers
         yield from self.kv(n, batch=0 < n - self.sent_tokens <= 64 and self.sent_tokens > 0,
                            extra=ahead[1] if ahead else None)
@@ -422,9 +427,8 @@ class Snapshotter:
         history = np.asarray(st.history, dtype=np.int32)
         state = {"n_tokens": n, "history": codecs.encode_bytes(history.tobytes()),
                  "messages": st.messages, "sampling": _plain(asdict(st.sampling)), "turn": st.turn}
-        if ahead is not None and (a := self.ahead_frame(*ahead, self.extra_read)) is not None:
+        if ahead is not None and (a := self.ahead_frame(*ahead)) is not None:
             state["ahead"] = a
-        self.extra_read = None
         yield self.w.frame(STATE, state)
         mem = st.memory
         yield self.w.frame(GUEST, {

@@ -37,14 +37,20 @@ class _Guess:
         self.tokens, self.row, self.logits, self.prefilled = tokens, row, logits, prefilled
         self.offset, self.epoch, self.n = session.cache[0].offset, session.kv_epoch, len(session.history)
 
+    def still(self, session: Any) -> bool:
+        """Whether ``session``'s cache and history are where they were when it was made."""
+        return (not session.closed and bool(session.cache) and session.cache[0].offset == self.offset
+                and session.kv_epoch == self.epoch and len(session.history) == self.n)
+
     def holds(self, session: Any, token: int, read: dict) -> bool:
-        """``read``: each step's guessed tokens as a list, by id, filled as needed."""
+        """Still valid (:meth:`still`) and guessed ``token``. ``read``: each step's guessed
+        tokens as a list, by id, filled as needed."""
+        if not self.still(session):
+            return False
         guessed = read.get(id(self.tokens))
         if guessed is None:  # every row's guess in one read: computed by now, before its step
             guessed = read[id(self.tokens)] = self.tokens.tolist()
-        return (token == guessed[self.row] and not session.closed and session.cache
-                and session.cache[0].offset == self.offset and session.kv_epoch == self.epoch
-                and len(session.history) == self.n)
+        return token == guessed[self.row]
 
 
 class Speculation:
@@ -97,10 +103,7 @@ class Speculation:
         (kvferry.checkpoint.snapshot's ``ahead``): the token is read with the rest, not
         alone (on MLX CUDA a read waits for the device)."""
         g = self.guesses.get(session)
-        if g is None or session.closed or not session.cache or session.cache[0].offset != g.offset \
-                or session.kv_epoch != g.epoch or len(session.history) != g.n:
-            return None
-        return g.tokens[g.row], g.logits
+        return (g.tokens[g.row], g.logits) if g is not None and g.still(session) else None
 
     def _land(self, session: Any) -> None:
         """A landed session's step run by the host it came from (``landed_step``: the

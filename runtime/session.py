@@ -13,12 +13,11 @@ guest's memory: that is where checkpoints and migrations cut.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import struct
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,39 +28,9 @@ from .errors import ConfigError, GuestAbiError, GuestError, KvferryError, Prompt
 from .guest import GuestLimits, GuestModule, MemoryImage
 from .params import SamplingParams, SessionOptions
 from .textstream import TextStream
+from .turn import TokenEvent, TurnState, TurnStats, run_reply
 
-STOP_CODES = {-1: "stop", -2: "stop", -3: "length"}
 log = logging.getLogger("kvferry.session")
-
-
-@dataclass
-class TokenEvent:
-    token: int
-    text: str  # new text to show (may be empty while a stop string is possible)
-    index: int
-    finish_reason: str | None = None  # set on the turn's last event: stop | length
-
-
-@dataclass
-class TurnStats:
-    prompt_tokens: int = 0  # tokens prefilled this turn (the new ones)
-    prompt_tps: float = 0.0
-    generation_tokens: int = 0
-    generation_tps: float = 0.0
-    finish_reason: str | None = None
-    text: str = ""
-    tokens: list[int] = field(default_factory=list)
-
-
-@dataclass
-class TurnState:
-    """A turn in progress: what a checkpoint taken mid-generation must carry."""
-    n_prompt: int
-    record: bool
-    tokens: list[int]
-    texts: list[str]  # the text streamed with each token
-    stream: "TextStream"
-    max_tokens: int = 0  # this turn's limit (0: the session's)
 
 
 @dataclass
@@ -81,9 +50,6 @@ class SessionState:
     memory: MemoryImage | None = None
     kv_epoch: int = 0
     owner: str = ""  # the name of the key that created it (kvferry.keys)
-
-
-_ids = itertools.count(1)
 
 
 def make_guest(host: Any, module: GuestModule, options: SessionOptions, session_id: str, ahead: Any = None) -> Any:
@@ -357,7 +323,7 @@ class Session:
         grow = (self._prompt_left + max(0, left)) * self.kv_token_bytes()
         admission.enter(self, grow)  # a place in the batch (FIFO queue beyond serve --max-batch / --max-kv-mb)
         try:
-            yield from self._generate(turn, replay_from)
+            yield from run_reply(self, turn, replay_from)
         finally:  # ended, failed, paused for a migration or dropped by its client: the place is free
             self.host.steps.leave(self)
             admission.leave(self)
@@ -400,70 +366,6 @@ class Session:
                 trim_prompt_cache(self.cache, 1)
                 self.history.pop()
                 self.kv_epoch += 1  # the token's K/V may have been sent already
-
-    def _generate(self, turn: TurnState, replay_from: int | None) -> Iterator[TokenEvent]:
-        metrics = self.host.metrics
-        t_last = 0.0
-        stats = TurnStats(prompt_tokens=turn.n_prompt)
-        t0 = time.perf_counter()
-        t_first = None
-        finish = None
-        stopped_by_string = False
-        n_new = 0
-        while True:
-            i = len(turn.tokens)
-            if i >= min(turn.max_tokens or self.sampling.max_tokens, self.sampling.max_tokens):
-                finish = "length"  # the host's hard limit, whatever the guest does
-                break
-            if len(self.history) + 1 >= self.context and self.options.ctx is None:
-                finish = "length"
-                break
-            t_step = time.perf_counter()
-            # a decode step runs the guest on the host's step thread where it can (kvferry.batching)
-            tok = self.host.steps.guest_step(self, turn.tokens[-1] if n_new else None)
-            self.last_used = time.monotonic()
-            if n_new:  # the first step of a turn includes its prefill
-                dt = time.perf_counter() - t_step
-                self.step_seconds = 0.8 * self.step_seconds + 0.2 * dt if self.step_seconds else dt
-            if tok < 0:
-                if tok not in STOP_CODES:
-                    raise SessionError(f"guest '{self.guest.name}' returned unknown code {tok}")
-                finish = STOP_CODES[tok]
-                stopped_by_string = tok == -2
-                break
-            if tok >= self.vocab_size:
-                self.guest.dead = f"emitted token id {tok}"
-                raise SessionError(f"guest '{self.guest.name}' emitted token id {tok}, outside "
-                                   f"the vocabulary (0..{self.vocab_size - 1})")
-            now = time.perf_counter()
-            metrics.generated_tokens.inc()
-            if t_first is not None:
-                metrics.tpot.observe(now - t_last)
-            elif replay_from is None:
-                metrics.ttft.observe(now - t0)
-            t_last = now
-            if t_first is None:
-                t_first = now
-                stats.prompt_tps = turn.n_prompt / max(now - t0, 1e-9) if replay_from is None else 0.0
-            text = turn.stream.add(tok)
-            turn.tokens.append(tok)
-            turn.texts.append(text)
-            n_new += 1
-            yield TokenEvent(tok, text, i)
-        t_end = time.perf_counter()
-        tail = turn.stream.finish(stopped_by_string)
-        stats.finish_reason = finish
-        metrics.turns.labels(finish or "stop").inc()
-        stats.tokens = list(turn.tokens)
-        stats.generation_tokens = len(turn.tokens)
-        if t_first is not None and n_new > 1:
-            stats.generation_tps = (n_new - 1) / max(t_end - t_first, 1e-9)
-        stats.text = turn.stream.final_text
-        self.last = stats
-        self.turn = None
-        if turn.record:
-            self.messages.append({"role": "assistant", "content": stats.text})
-        yield TokenEvent(-1, tail, len(turn.tokens), finish)
 
     # -- state -----------------------------------------------------------------
     def state(self, memory: bool = True) -> SessionState:

@@ -5,7 +5,7 @@ one-line errors. The only MLX-specific piece of the checkpoint format."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -96,3 +96,18 @@ def oom(where: str) -> Iterator[None]:
         if isinstance(e, MemoryError) or "alloc" in str(e).lower():
             raise OutOfMemoryError(f"{where}: out of memory on this host ({e})") from None
         raise
+
+
+def joined(arrays: list) -> Any:
+    """MLX arrays as one uint8 buffer (lazy), to read on the host at once: MLX CUDA moves
+    each array it reads to unified memory (an allocation, a copy and a free that waits
+    for the device), so many small reads cost many waits."""
+    import mlx.core as mx
+
+    return mx.concatenate([u.reshape(-1).view(mx.uint8) for u in arrays])
+
+
+def split_joined(data: np.ndarray, arrays: list) -> list[np.ndarray]:
+    """:func:`joined`'s buffer read on the host (``data``) -> a view per array, its shape and bits type."""
+    edges = np.cumsum([0] + [u.nbytes for u in arrays]).tolist()
+    return [data[lo:hi].view(np_bits_type(u.dtype)).reshape(u.shape) for u, lo, hi in zip(arrays, edges, edges[1:])]

@@ -21,7 +21,7 @@ from ..errors import GuestError, SessionExistsError
 from ..guest import MemoryImage
 from ..params import SamplingParams, SessionOptions
 from ..session import Session, SessionState, make_guest
-from . import codecs
+from . import codecs, step_ahead
 from .errors import CheckpointError, CheckpointModelError, OutOfMemoryError
 from .frames import GUEST, HEADER, KV, STATE, TRAILER, Frame, iter_frames, read_file_chunks
 from .mlxbits import cast_bits, host_memory, mx_from_bits, np_kind, oom
@@ -29,7 +29,6 @@ from .mlxbits import cast_bits, host_memory, mx_from_bits, np_kind, oom
 PAGE = 65536
 MAX_GUEST_BYTES = 4 << 30
 MAX_TOKENS = 1 << 22
-MAX_LOGITS = 1 << 22  # a step's logits a checkpoint may carry (its "ahead"): a vocabulary this wide at most
 
 
 def _release(host: Any, charged: list) -> None:
@@ -403,48 +402,14 @@ class Restorer:
             raise CheckpointError("state frame: malformed sampling")
         if unknown := sorted(set(map(str, sampling)) - set(SamplingParams.names())):
             raise CheckpointError(f"state frame: unknown sampling parameter {unknown[0]!r}")
-        ahead = self._ahead(st.get("ahead"), caches, n_tokens, turn) if kind == "KVCache" else None
+        ahead = (step_ahead.land(st.get("ahead"), caches, n_tokens, turn, self.kv_dtype, self.lock, self._declared)
+                 if kind == "KVCache" else None)
         try:
             s = self._session(h, st, sampling, caches, history, turn, gm, size, pages, data, globals_)
         except (TypeError, ValueError) as e:  # a field of the wrong type: the file's fault
             raise CheckpointError(f"checkpoint session record is malformed ({type(e).__name__}: {e})") from None
         s.landed_step = ahead  # its first step here takes them (kvferry.speculation)
         return s
-
-    def _ahead(self, a: Any, caches: list, n: int, turn: dict | None) -> tuple[int, Any] | None:
-        """The state frame's ``ahead`` (kvferry.checkpoint.snapshot): the step the source
-        ran for the turn's next token. Its K/V are written one past each cache's offset;
-        returns (token, logits) for the session's first step, or None where there is
-        none or no room for it (the step then runs here)."""
-        import mlx.core as mx
-
-        if a is None:
-            return None
-        where = "state frame: ahead"
-        logits = a.get("logits") if isinstance(a, dict) else None
-        shape = logits.get("shape") if isinstance(logits, dict) else None  # one row: the model's output width
-        if not (isinstance(a, dict) and isinstance(a.get("token"), int) and turn is not None and turn["tokens"]
-                and a["token"] == turn["tokens"][-1] and isinstance(a.get("keys"), list)
-                and isinstance(a.get("values"), list) and len(a["keys"]) == len(a["values"]) == len(caches)
-                and isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)
-                and 0 < shape[0] <= MAX_LOGITS and logits.get("dtype") == "float32"):
-            raise CheckpointError(f"{where}: malformed (not the turn's next token, or not one step of this model)")
-        if any(c.offset != n or c.keys is None or c.keys.shape[2] <= n for c in caches):
-            return None
-        sides = []
-        for i, c in enumerate(caches):
-            for side in ("keys", "values"):
-                self._declared(a[side][i], f"{where} {side}[{i}]", 1)  # checked before it is decoded
-                u, dtype = cast_bits(codecs.decode(a[side][i], f"{where} {side}[{i}]"), a[side][i]["dtype"],
-                                     self.kv_dtype, f"{where} {side}[{i}]")
-                sides.append(mx_from_bits(u, dtype))
-        with oom(where), self.lock:
-            for j, c in enumerate(caches):
-                c.keys[..., n:n + 1, :] = sides[2 * j]
-                c.values[..., n:n + 1, :] = sides[2 * j + 1]
-            out = mx_from_bits(codecs.decode(logits, f"{where} logits"), "float32")
-            mx.eval(out, [x for c in caches for x in (c.keys, c.values)])
-        return a["token"], out
 
     def _session(self, h, st, sampling, caches, history, turn, gm, size, pages, data, globals_) -> Session:
         state = SessionState(

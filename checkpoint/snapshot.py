@@ -19,10 +19,10 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from . import codecs
+from . import codecs, step_ahead
 from .errors import CheckpointError
 from .frames import GUEST, HEADER, KV, STATE, FrameWriter
-from .mlxbits import host_memory, mx_bits, mx_bits_lazy, np_bits_type, np_kind
+from .mlxbits import host_memory, joined, mx_bits, mx_bits_lazy, np_kind, split_joined
 
 
 def cache_kind(c) -> str:
@@ -32,21 +32,6 @@ def cache_kind(c) -> str:
 
 
 DEVICE_BATCH_BYTES = 64 << 20  # KV copied on an accelerator before one wait: bounds the extra memory
-
-
-def _joined(arrays: list) -> Any:
-    """MLX arrays as one uint8 buffer (lazy), to read on the host at once: MLX CUDA moves
-    each array it reads to unified memory (an allocation, a copy and a free that waits
-    for the device), so many small reads cost many waits."""
-    import mlx.core as mx
-
-    return mx.concatenate([u.reshape(-1).view(mx.uint8) for u in arrays])
-
-
-def _split(data: np.ndarray, arrays: list) -> list[np.ndarray]:
-    """:func:`_joined`'s buffer read on the host (``data``) -> a view per array, its shape and bits type."""
-    edges = np.cumsum([0] + [u.nbytes for u in arrays]).tolist()
-    return [data[lo:hi].view(np_bits_type(u.dtype)).reshape(u.shape) for u, lo, hi in zip(arrays, edges, edges[1:])]
 
 
 class Snapshotter:
@@ -230,7 +215,7 @@ class Snapshotter:
                 ride, more, extra = [u for u, _ in extra or []], extra, None
                 # one buffer for the batch, read on the host once: a delta of 30 layers
                 # made 60 reads beside the steps
-                flat = _joined(parts + ride)
+                flat = joined(parts + ride)
                 mx.async_eval(flat)
                 j += len(queued)
                 self.busy["extract"] += time.perf_counter() - start
@@ -238,7 +223,7 @@ class Snapshotter:
             data = np.array(flat)  # the copy is this thread's: waited for without the lock
             del flat
             self.busy["extract"] += time.perf_counter() - began
-            copies = _split(data, parts + ride)  # in the order of parts
+            copies = split_joined(data, parts + ride)  # in the order of parts
             if ride:
                 more[:] = [(u, name) for u, (_, name) in zip(copies[len(parts):], more)]
             views = iter(copies[:len(parts)])
@@ -354,47 +339,6 @@ class Snapshotter:
             yield from self.encode(self.extract(upto, lock=self.lock, budget=0.01, chunk=self.chunk_tokens(1 << 20),
                                                 per_hold=16, extra=extra), batch, self.lasting(self.lock))
 
-    def ahead_parts(self, st: Any) -> tuple[int, list] | None:
-        """The step this session's host already ran for its turn's next token, where a
-        speculated step is held for it (kvferry.speculation): that token and, not yet
-        read, its K/V (one past each cache's offset, layer by layer), the guessed token
-        and its logits. The target's first step takes them instead of running the
-        model: on a GPU that forward pass was a third of a live migration's handoff.
-        They are read with the last delta (:meth:`_extract_device`'s ``extra``): on MLX
-        CUDA each read of the host waits for the device and frees what it moved, and a
-        read of their own cost the pause ~12 ms on an H200. None where there is no such step."""
-        import mlx.core as mx
-
-        if os.environ.get("KVFERRY_STEP_AHEAD") == "0":  # (an A/B of it: the target then runs that step)
-            return None
-        held = getattr(getattr(getattr(self.s, "host", None), "steps", None), "held_guess", None)
-        if held is None or self.lock is None or st.turn is None or not st.turn["tokens"] or self.kind != "KVCache":
-            return None
-        token, n = st.turn["tokens"][-1], len(st.history)
-        # shared buffers only under the lock (other rows' steps rewrite them); a session's own
-        # caches are still while it is paused, and its guess stays until it comes back
-        with self.lock if self.shared() else contextlib.nullcontext():
-            guess = held(self.s)
-            if guess is None or any(c.offset != n or c.keys is None or c.keys.shape[2] <= n for c in self.caches):
-                return None
-            parts = [mx_bits_lazy(x[..., n:n + 1, :]) for c in self.caches for x in (c.keys, c.values)]
-            parts += [mx_bits_lazy(guess[0]), mx_bits_lazy(guess[1])]  # whether it is the token's, read with it
-            mx.async_eval([u for u, _ in parts])
-        return token, parts
-
-    def ahead_frame(self, token: int, parts: list) -> dict | None:
-        """The state frame's ``ahead`` from :meth:`ahead_parts` (read on the host already if
-        they went with the last delta), or None if the guess was another token."""
-        arrays, names = [u for u, _ in parts], [name for _, name in parts]
-        if not isinstance(arrays[0], np.ndarray):  # no delta read on a device to ride with
-            arrays = _split(np.array(_joined(arrays)), arrays)
-        if int(arrays[-2]) != token:
-            return None  # the guest chose another token than the guess: the target runs that step
-        mode = "raw" if self.mode == "raw" else "lossless"  # exact, whatever the KV's codec
-        blobs = [codecs.encode(np.ascontiguousarray(u), name, mode)
-                 for u, name in zip(arrays[:-2] + arrays[-1:], names[:-2] + names[-1:])]
-        return {"token": int(token), "keys": blobs[0:-1:2], "values": blobs[1:-1:2], "logits": blobs[-1]}
-
     def _enc(self, u: np.ndarray, dtype: str, exact: bool = False, role: str = "values",
              borrow: bool = False) -> dict:
         self.raw_kv_bytes += u.nbytes
@@ -411,7 +355,7 @@ class Snapshotter:
             raise CheckpointError("the KV cache was rewritten (a new turn trimmed it) after part of "
                                   "it was sent; migrate again")
         n = len(st.history)
-        ahead = self.ahead_parts(st)
+        ahead = step_ahead.read(self.s, st, self.caches, self.lock, self.shared()) if self.kind == "KVCache" else None
         # after pre-copy only a few tokens remain: one frame for all layers
         yield from self.kv(n, batch=0 < n - self.sent_tokens <= 64 and self.sent_tokens > 0,
                            extra=ahead[1] if ahead else None)
@@ -427,7 +371,7 @@ class Snapshotter:
         history = np.asarray(st.history, dtype=np.int32)
         state = {"n_tokens": n, "history": codecs.encode_bytes(history.tobytes()),
                  "messages": st.messages, "sampling": _plain(asdict(st.sampling)), "turn": st.turn}
-        if ahead is not None and (a := self.ahead_frame(*ahead)) is not None:
+        if ahead is not None and (a := step_ahead.frame(*ahead, self.mode)) is not None:
             state["ahead"] = a
         yield self.w.frame(STATE, state)
         mem = st.memory

@@ -653,16 +653,16 @@ def test_the_step_a_source_ran_ahead_goes_along_and_the_target_takes_it(speculat
     with the state, and the target's first step takes them instead of running the
     model. The reply goes on exactly as the unmigrated twin's. ``device``: the KV is
     read as on a GPU (MLX copies read once), the step's pieces riding with the last delta."""
-    from kvferry.checkpoint import snapshot
+    from kvferry.checkpoint import snapshot, step_ahead
 
     if device:
         monkeypatch.setattr(snapshot, "host_memory", lambda: False)
         rode = []
-        real = snapshot.Snapshotter.ahead_frame
-        def ahead_frame(self, token, parts):
+        real = step_ahead.frame
+        def frame(token, parts, mode):
             rode.append(isinstance(parts[0][0], np.ndarray))  # read on the host with the delta already
-            return real(self, token, parts)
-        monkeypatch.setattr(snapshot.Snapshotter, "ahead_frame", ahead_frame)
+            return real(token, parts, mode)
+        monkeypatch.setattr(step_ahead, "frame", frame)
     a, b = speculating_pair
     c, s, twin = conversation(a, max_tokens=80)  # long enough to move mid-reply
     ref = [ch.token for ch in twin.events("keep going") if ch.token >= 0]

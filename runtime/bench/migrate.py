@@ -109,6 +109,7 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
     resolve(model, progress=False)  # an unknown model is one line, before any host starts
     token = secrets.token_urlsafe(16)
     cpus = split_cpus() if pin else None
+    progress("starting two hosts" + (f" (CPUs {cpus[0]} and {cpus[1]})" if cpus else ""))
     a, b = _pair(token, threads, cpus, model)
     rows, transfers = [], []
     try:
@@ -119,6 +120,7 @@ def run(contexts=(512, 2048, 8192), generate: int = 400, after: int = 16, migrat
                 base = ca.create_session(max_tokens=generate, ignore_eos=True)
                 list(base.send(prompt, max_tokens=16))
                 n_ctx = base.info()["tokens"]
+                progress(f"context {n_ctx} tokens: prefilled on the source; re-prefilling it on the target")
                 ck = Path(d) / f"ctx{ctx}.kvf"
                 base.snapshot(ck)
                 base.close()

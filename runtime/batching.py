@@ -38,7 +38,8 @@ from typing import Any
 from .batch_attention import install, install_packed
 from .collector import paused_seconds
 from .errors import ConfigError, SessionError
-from .prefill_thread import PrefillThread, eligible, private_copy
+from .prefill_thread import PrefillThread
+from .prompt_placement import PromptPlacement
 from .top1 import StepTop1
 from .prompt_budget import PromptBudget
 from .speculation import Speculation
@@ -68,11 +69,6 @@ def _close_all() -> None:
         s.close()
 
 
-SHORT_PROMPT = 64  # prompt tokens a step prefills whole even beside decodes (a newcomer's turn)
-ALONE_TOKENS = 2048  # prompt tokens of a step with nobody decoding, in chunks of each one's prefill_step
-NEWCOMER_TOKENS = 512  # short prompts a step takes whole beside decodes, in all (a burst of newcomers)
-
-
 class _Request:
     """Tokens a session needs run: a prompt (prefilled in chunks, its last token
     decoded in a batch) or one token to decode. Done when its logits are known, or
@@ -91,7 +87,7 @@ class _Request:
         self.looked = False  # the prefix cache was asked for it
 
 
-class StepScheduler(Speculation, StepForward):
+class StepScheduler(PromptPlacement, Speculation, StepForward):
     """The step loop of one host (one thread). See the module docstring."""
 
     def __init__(self, host: Any, *, max_batch: int, guest_step_ms: float, step_tokens: int = 0,
@@ -257,33 +253,6 @@ class StepScheduler(Speculation, StepForward):
             self._late = bool(self.expect)  # decoders still sampling: a prompt chunk stays small anyway
             return rows, list(self.prefills)
 
-    def _plan(self, rows: list, prompts: list[_Request]) -> list[tuple[_Request, list[int]]]:
-        """The prompt chunks of this step, first come first served. With nobody
-        decoding, up to ALONE_TOKENS (a chunk of ``prefill_step`` of each prompt, side
-        by side where the model packs, as vLLM's ``max_num_batched_tokens``); beside
-        decodes, a token budget steered from step times (:mod:`kvferry.prompt_budget`), and
-        short prompts whole on top (up to NEWCOMER_TOKENS where the model packs, else
-        one), so a burst of newcomers joins in a step or two, not one a step."""
-        plan = []
-        alone = not (rows or self._late)  # nobody decoding: ALONE_TOKENS, several prompts if they pack
-        budget = ALONE_TOKENS if alone else self.step_tokens or self.budget.tokens
-        newcomers = NEWCOMER_TOKENS if self.packed else SHORT_PROMPT
-        for req in prompts:
-            left = len(req.tokens) - 1  # the last token is decoded in a batch
-            if not alone and len(req.tokens) == req.n0 and left <= SHORT_PROMPT:  # untouched and short
-                if left > newcomers:
-                    break  # the next step's newcomers, in order
-                newcomers -= left
-                plan.append((req, req.tokens[:left]))
-                continue
-            n = min(left, req.session.options.prefill_step, budget)
-            if n > 0:
-                plan.append((req, req.tokens[:n]))
-                budget -= n
-            if alone and not self.packed:
-                break
-        return plan
-
     def _run(self) -> None:
         import mlx.core as mx
 
@@ -394,48 +363,6 @@ class StepScheduler(Speculation, StepForward):
             mx.eval(arrays)
         except Exception as e:  # noqa: BLE001 - the step's own error is the one reported
             log.warning("the caches could not be evaluated after a failed step: %s", e)
-
-    def _reuse(self, prompts: list[_Request]) -> None:
-        """New sessions' first prompts start from the longest prefix this host has
-        seen (kvferry.prefix_cache): what is left to prefill is their own part."""
-        fresh = [r for r in prompts if r.fresh and not r.looked]
-        if not fresh or not self.host.prefix.budget:
-            return
-        with self.host.compute:
-            for r in fresh:
-                r.looked = True
-                if r.session.closed or r.session.history:
-                    continue
-                n = self.host.prefix.fill(r.session, r.tokens)
-                if n:
-                    r.session.history.extend(r.tokens[:n])
-                    r.tokens = r.tokens[n:]
-                    r.n0 = len(r.tokens)  # a newcomer of its own length now (_plan)
-                    if len(r.tokens) == 1:
-                        with self.cv:
-                            self.prefills.remove(r)
-                            self.decodes.append(r)
-
-    def _offload(self, rows: list[_Request], prompts: list[_Request]) -> list[_Request]:
-        """Hand long prompts that arrive while others decode to the prefill thread,
-        each with a private copy of its caches made here; returns the prompts left
-        for this thread's steps."""
-        if self.prefiller is None or not (rows or self._late) or not prompts:
-            return prompts
-        keep = []
-        for r in prompts:
-            if len(r.tokens) - 1 <= SHORT_PROMPT or r.session.closed or not eligible(r.session):
-                keep.append(r)
-                continue
-            with self.cv:
-                self.prefills.remove(r)
-            try:
-                with self.host.compute:
-                    caches = private_copy(r.session.cache)
-                self.prefiller.submit(r, caches)
-            except Exception as e:  # noqa: BLE001 - that session hears it
-                self._fail([r], e if isinstance(e, SessionError) else SessionError(f"prompt prefill failed: {e}"))
-        return keep
 
     def _depart(self, rows: list[_Request], prompts: list[_Request]) -> None:
         """Sessions whose turn ended leave the resident buffers (their KV copied back),

@@ -74,7 +74,7 @@ class _Request:
     decoded in a batch) or one token to decode. Done when its logits are known, or
     for a driven decode when its guest has chosen the next token from them."""
     __slots__ = ("session", "tokens", "n0", "done", "logits", "top1", "error", "driven", "token", "fresh",
-                 "looked")
+                 "looked", "unattended", "attached", "ran", "gone")
 
     def __init__(self, session: Any, tokens: list[int], driven: bool = False) -> None:
         self.session, self.tokens, self.n0 = session, tokens, len(tokens)
@@ -85,6 +85,9 @@ class _Request:
         self.fresh = (len(tokens) > 1 and not session.history and session.plain_kv()
                       and session.cache[0].empty())
         self.looked = False  # the prefix cache was asked for it
+        # run on (a driven decode this thread queued itself): its session's thread attaches when it
+        # comes back; one that comes back after the step finds it ``ran`` and calls its guest itself
+        self.unattended = self.attached = self.ran = self.gone = False  # gone: retracted, never driven
 
 
 class StepScheduler(PromptPlacement, Speculation, StepForward):
@@ -122,6 +125,10 @@ class StepScheduler(PromptPlacement, Speculation, StepForward):
         self.decodes: deque[_Request] = deque()
         self.prefills: deque[_Request] = deque()
         self.expect: set = set()  # sessions given logits by the last step and not back yet
+        # driven decodes this thread queued without waiting for their sessions' threads (run on)
+        self.run_on: dict = {}  # session -> its queued _Request
+        self.held: set = set()  # sessions that must come to a still step boundary (a migration's pause)
+        self.runs_on = drive and os.environ.get("KVFERRY_RUN_ON") != "0"
         self.closed = False
         self._last = time.monotonic()
         self.budget = PromptBudget()  # prompt tokens beside decodes, steered from step times
@@ -130,7 +137,10 @@ class StepScheduler(PromptPlacement, Speculation, StepForward):
                       "forward_s": 0.0,  # time in forward passes (the rest: guests and waiting)
                       "speculated": 0, "speculation_hits": 0, "prefill_logits": 0,
                       "landed_steps": 0,  # first steps a migrated session took from its source (speculation)
-                      "resident_joins": 0, "resident_steps": 0}  # shared KV rows (kvferry.resident)
+                      "resident_joins": 0, "resident_steps": 0,  # shared KV rows (kvferry.resident)
+                      # decodes queued before their sessions' threads came back, those they came back
+                      # too late to drive (their guests called on their own threads), and those taken back
+                      "run_on": 0, "run_on_late": 0, "run_on_retracted": 0}
         self.last_rows = 0  # rows of the last decode step (a gauge)
         self._trace = _open_trace(os.environ.get("KVFERRY_STEP_TRACE"))
         # long prompts arriving beside decodes: prefilled on a thread of their own (kvferry.prefill_thread)
@@ -185,8 +195,21 @@ class StepScheduler(PromptPlacement, Speculation, StepForward):
         if not (self.drive and last is not None and last >= 0 and not session._prompt_left
                 and session.plain_kv()):
             return session.guest_step()
-        req = _Request(session, [last], driven=True)
-        self._enqueue(req)
+        undo = None
+        with self.cv:
+            req = self.run_on.pop(session, None)
+            if req is not None and req.tokens == [last]:
+                req.attached = True  # this step already runs (or ran) its decode
+            elif req is not None:  # (another token than it ran on: not this turn's next step)
+                undo, req = self._retract(req), None
+        self._undo(session, undo)
+        if req is None:
+            req = _Request(session, [last], driven=True)
+            self._enqueue(req)
+        elif req.ran:  # it ran before this thread came back: the guest is called here, on its logits
+            if req.error is not None:
+                raise req.error
+            return session.guest_step((last, req.logits, req.top1))
         req.done.wait()
         if req.error is not None:
             raise req.error
@@ -196,26 +219,93 @@ class StepScheduler(PromptPlacement, Speculation, StepForward):
         """Run the guests of this step's driven rows, each on its logits (on this
         thread, under a deadline of a few budgets: a guest that spins is cut off)."""
         deadline = max(5 * self.gather_s, 0.1) * 1000
+        with self.cv:  # rows run on whose sessions' threads did not come back during the step
+            late = [r for r in reqs if r.gone or (r.unattended and not r.attached)]
+            for r in late:
+                r.ran = True
+                self.stats["run_on_late"] += not r.gone
+            reqs = [r for r in reqs if not r.gone and (not r.unattended or r.attached)]
+        for r in late:
+            r.done.set()
         for r in reqs:
             try:
                 r.token = r.session.guest_step((r.tokens[-1], r.logits, r.top1), deadline_ms=deadline)
             except BaseException as e:  # noqa: BLE001 - it is that session's error, told on its thread
                 r.error = e
+        if self.runs_on:
+            self._run_on(reqs)
         # woken only now: a session thread woken earlier takes the GIL from this loop at
         # every crossing into a guest (64 sessions on a CPU proxy: 227 against 355 us a guest)
         for r in reqs:
             r.done.set()
 
+    def _run_on(self, reqs: list[_Request]) -> None:
+        """Queue the decode of each token these guests chose, for the next step, before
+        their sessions' threads come back for it (they attach to it then): the next step
+        need not wait for them, as vLLM's engine loop waits for no API server. Only where
+        the turn will ask for that decode next (run_reply's limits), and never for a
+        session that must come to a still boundary (:meth:`still`)."""
+        with self.cv:
+            for r in reqs:
+                s = r.session
+                if (r.error is None and r.token is not None and s not in self.held and s not in self.run_on
+                        and not s.closed and s.will_decode(r.token)):
+                    nxt = _Request(s, [r.token], driven=True)
+                    nxt.unattended = True
+                    self.run_on[s] = nxt
+                    self.decodes.append(nxt)
+                    self.stats["run_on"] += 1
+                    self.expect.discard(s)
+
     def leave(self, session: Any) -> None:
         """``session`` has no token coming this step (its turn ended or paused)."""
         self.guesses.pop(session, None)  # nor the guessed one: drop it (and the cache it holds)
         with self.cv:
+            self.held.discard(session)
+            req = self.run_on.pop(session, None)
+            undo = self._retract(req) if req is not None else None
             if self.shared is not None and self.shared.owns(session):
                 self.departing[session] = list(session.cache)  # its KV goes back to it at the next step
                 self.cv.notify_all()
             if session in self.expect:
                 self.expect.discard(session)
                 self.cv.notify_all()
+        self._undo(session, undo)
+
+    def still(self, session: Any) -> bool:
+        """(A migration's pause, at a step boundary of ``session``'s turn) Run none of its
+        steps on from now; True when none is queued or running, so the boundary is still.
+        False: one is, and its thread takes its token first (the next boundary is still)."""
+        with self.cv:
+            self.held.add(session)
+            return session not in self.run_on
+
+    def release(self, session: Any) -> None:
+        """The pause is over and the turn goes on here: its steps run on again."""
+        with self.cv:
+            self.held.discard(session)
+
+    def _retract(self, req: _Request) -> _Request | None:
+        """(Under ``cv``) A decode run on that its session will not ask for: not run yet, it
+        leaves the queue (None); in a step, it is marked to be left undriven, and returned
+        for :meth:`_undo` (outside ``cv``)."""
+        self.stats["run_on_retracted"] += 1
+        if req in self.decodes:
+            self.decodes.remove(req)
+            return None
+        req.gone = True
+        return req
+
+    def _undo(self, session: Any, req: _Request | None) -> None:
+        """Take back the token a retracted decode wrote, once its step is done: the cache
+        and the history are then as the session's own thread left them."""
+        if req is None:
+            return
+        if threading.current_thread() is self.thread:  # (it would wait for its own step)
+            raise SessionError("a decode run on cannot be retracted by the step thread")
+        req.done.wait()
+        if req.error is None and req.ran:
+            session._take_back()
 
     def close(self) -> None:
         with self.cv:

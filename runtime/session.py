@@ -357,6 +357,16 @@ class Session:
                              "its session leaves the batch")
         return tok
 
+    def will_decode(self, token: int) -> bool:
+        """Whether the turn in progress, its guest having just chosen ``token``, asks for
+        that token's decode next: a token of the vocabulary, and the host's limits
+        (:func:`kvferry.turn.run_reply`'s) not reached once it is added."""
+        t = self.turn
+        if t is None or not 0 <= token < self.vocab_size:
+            return False
+        limit = min(t.max_tokens or self.sampling.max_tokens, self.sampling.max_tokens)
+        return len(t.tokens) + 1 < limit and (self.options.ctx is not None or len(self.history) + 1 < self.context)
+
     def _take_back(self) -> None:
         """Undo the last decoded token (a step the host ran ahead for the guest)."""
         from mlx_lm.models.cache import trim_prompt_cache

@@ -161,9 +161,12 @@ class TurnDriver:
                                                    generation_tps=s.last.generation_tps)
                                 if ev.finish_reason else None)
             p = slot.pause_req
-            if p is not None and ev.finish_reason is None:  # a step boundary: hold still
+            # a step boundary: hold still, once no step of this turn runs on (kvferry.batching)
+            if p is not None and ev.finish_reason is None and s.host.steps.still(s):
                 p.paused.set()
                 p.resume.wait()
+                if not p.committed:
+                    s.host.steps.release(s)
                 if p.committed:
                     if p.target:
                         mark("source_moved_to", s.id)

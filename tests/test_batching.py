@@ -77,6 +77,8 @@ def test_concurrent_sessions_share_decode_steps_and_match_solo(host, solo):
     assert rows >= 4 * 15 and steps < rows  # several sessions per forward pass
     assert host.steps.stats["max_batch_seen"] >= 2
     assert out == solo  # attention per row is exact; on this machine the matmuls agree too
+    if host.steps.drive:  # each next decode was queued before its session's thread came back
+        assert host.steps.stats["run_on"] >= len(PROMPTS) * 10
     again, _ = together(host, PROMPTS)
     assert again == out  # the same sessions together again: the same tokens
     if host.steps.shared is not None:  # they decoded in resident rows, and left them when they closed
@@ -477,3 +479,24 @@ def test_steps_run_ahead_for_a_guest_are_taken_back_when_it_decodes_otherwise(sm
     assert seen[True][:2] == seen[False][:2]
     assert (seen[True][2] == seen[False][2]).all().item()
     assert seen[True][3] > seen[False][3]  # the taken-back steps rewrote KV: pre-copy must hear of it
+
+
+def test_a_reply_stopped_mid_way_takes_back_the_decode_run_on_for_it(host, solo):
+    """A client that stops reading mid-reply: the decode the step thread had queued
+    for its next token (run on) is taken back, so the session is as its own thread
+    left it (the history one token behind the reply), and the reply continued later
+    is the solo one."""
+    if not host.steps.drive:
+        pytest.skip("only a host that runs guests on its step thread runs decodes on")
+    p = PROMPTS[1]
+    s = host.create_session(sampling=greedy(16))
+    retracted = host.steps.stats["run_on_retracted"]
+    events = s.send(p)
+    first = [next(events).token for _ in range(5)]
+    events.close()  # the client is gone: the turn stays open for continue_turn
+    assert host.steps.stats["run_on_retracted"] == retracted + 1
+    prompt = list(host.lm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
+    assert s.history == prompt + first[:4] and s.turn.tokens == first  # the 5th not decoded: as its thread left it
+    rest = [e.token for e in s.continue_turn(5) if e.token >= 0]
+    assert first + rest == solo[p]
+    host.close_session(s.id)

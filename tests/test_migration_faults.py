@@ -677,3 +677,40 @@ def test_the_step_a_source_ran_ahead_goes_along_and_the_target_takes_it(speculat
     assert not device or rode == [True]  # read with the last delta, not on their own
     s.close()
     twin.close()
+
+
+@pytest.fixture(scope="module")
+def driving_pair(smollm):
+    """The GPU's defaults on this CPU: guests on the step thread, which queues each
+    reply's next decode before the session's thread comes back for it (run on), and
+    speculates greedy steps."""
+    from kvferry.policy import HostPolicy
+
+    hosts = [ModelHost(lm=smollm, progress=False, policy=HostPolicy(speculate=True, drive_guests=True))
+             for _ in range(2)]
+    servers = [HostServer(h, "127.0.0.1:0", token=TOKEN).start() for h in hosts]
+    servers[0].peers, servers[1].peers = (servers[1].address,), (servers[0].address,)
+    yield servers
+    for s, h in zip(servers, hosts):
+        s.stop()
+        h.close()
+
+
+@pytest.mark.parametrize("live", [True, False], ids=["live", "stop-copy"])
+def test_a_reply_whose_steps_run_on_pauses_at_a_still_boundary_and_moves_identically(driving_pair, live):
+    """A driven reply's next decode is queued by the step thread before the session's
+    own thread comes back for it. A migration's pause must not cut between the two:
+    the session stops running on and pauses at the next boundary, so the checkpoint
+    holds no decode its turn has not asked for, and the reply goes on as its twin's."""
+    a, b = driving_pair
+    c, s, twin = conversation(a, max_tokens=60)
+    ref = [ch.token for ch in twin.events("keep going") if ch.token >= 0]
+    ran_on = a.host.steps.stats["run_on"]
+    th, got = reading(s, "keep going", first=6)
+    assert a.host.steps.stats["run_on"] > ran_on  # its decodes were queued ahead of its thread
+    Client(a.address, TOKEN).session(s.id).migrate(to=b.address, live=live, mode="raw")
+    th.join(60)
+    assert got == ref and len(got) == 60
+    assert not a.host.steps.held and s.id not in {x.id for x in a.host.steps.run_on}
+    s.close()
+    twin.close()

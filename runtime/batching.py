@@ -424,6 +424,7 @@ class StepScheduler(PromptPlacement, Speculation, StepForward):
                     "t": round(t0, 6), "forward_ms": round((t1 - t0) * 1e3, 2),
                     "lock_ms": round((t_lock - t0) * 1e3, 2),  # of forward_ms: waiting for the compute lock
                     "guessed": self.stats["speculation_hits"] - hits0,  # rows that took their speculated step
+                    "ran_on": sum(r.unattended for r in rows),  # rows queued before their threads came back
                     "guests_ms": round((time.perf_counter() - t1) * 1e3, 2),
                     "gc_ms": round((paused_seconds() - gc0) * 1e3, 2),  # collections (any thread's) in both
                     "join_ms": round((self._join_s - join0) * 1e3, 2),

@@ -275,6 +275,7 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
         assert st["full_steps"] >= 1 and st["rows_p50"] >= p["sessions"] * 3 / 4, st
         assert st["full_steps"] <= 4 - 1, st  # its own decode steps only, not its warm-up's at the same shape
         assert st["period_ms_p50"] > 0 and st["forward_ms_p50"] > 0 and 0 <= st["guessed_share"] <= 1, st
+        assert 0 <= st["ran_on_share"] <= 1, st  # (guests on the step thread: decodes queued ahead of their threads)
     assert out["long_prompt"]["prompt_tokens"] > 150 and "tpot_ms_p99_during" in out["long_prompt"]
     c = out["consistency"]
     assert c["prompts"] == 2 and 0 <= c["greedy_equal_solo"] <= 1 and 0 <= c["teacher_forced_top1"] <= 1

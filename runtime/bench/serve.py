@@ -133,13 +133,14 @@ class StepTrace:
             if sum(r[0] in ids for r in a["rows"]) * 4 >= len(ids) * 3 and not a["prompts"]:
                 period = (b["t"] - a["t"]) * 1000
                 full.append((period, a["forward_ms"], a["guests_ms"], period - a["forward_ms"] - a["guests_ms"],
-                             len(a["rows"]), a.get("guessed", 0)))
+                             len(a["rows"]), a.get("guessed", 0), a.get("ran_on", 0)))
         if not full:
             return {"full_steps": 0}
         med = [round(statistics.median(x[k] for x in full), 2) for k in range(5)]
         return {"full_steps": len(full), "period_ms_p50": med[0], "forward_ms_p50": med[1],
                 "guests_ms_p50": med[2], "between_ms_p50": med[3], "rows_p50": med[4],
-                "guessed_share": round(sum(x[5] for x in full) / sum(x[4] for x in full), 3)}
+                "guessed_share": round(sum(x[5] for x in full) / sum(x[4] for x in full), 3),
+                "ran_on_share": round(sum(x[6] for x in full) / sum(x[4] for x in full), 3)}
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -11,6 +11,7 @@
 #   migrate-1b  the same live, on a random-weight Llama-3.2-1B shape (built first)
 #   serve       bench serve at 1 / 8 / 32 / 64 sessions, with the step trace
 #   overhead    guest overhead against bare mlx-lm
+#   serve-run-on  bench serve at 64 sessions with KVFERRY_RUN_ON=1 then 0 (docs/sessions.md)
 #
 # Every bench has its own timeout (SECONDS_<SET>, default below): a cut bench leaves
 # its error file and the next set still runs. Six files at most a set, so a device
@@ -39,7 +40,7 @@ except (OSError, ValueError) as e:
     sys.exit(f"   no JSON ({e})")
 keys = ("context", "mode", "downtime_ms", "downtime_ms_reps", "handoff_gap_ms", "precopy_worst_over_normal",
         "total_ms", "reprefill_ms", "transfer_mb_s", "sessions", "aggregate_tps", "mlx_lm_tps", "ratio_to_mlx_lm",
-        "tpot_ms_p50", "tpot_ms_p99", "ratio")
+        "tpot_ms_p50", "tpot_ms_p99", "ratio", "steps")
 for r in d.get("rows", d.get("points", [d])):
     print("  ", {k: r[k] for k in keys if k in r})
 PY
@@ -78,8 +79,14 @@ for set in "$@"; do
     overhead)
       bench overhead "${SECONDS_OVERHEAD:-300}" overhead --tokens 256 --rounds 3
       summary overhead ;;
+    serve-run-on)  # the step thread queuing decodes ahead of the sessions' threads, on then off
+      for ro in 1 0; do
+        KVFERRY_RUN_ON=$ro bench "serve_run_on_$ro" "${SECONDS_SERVE:-280}" serve --sessions 64 --tokens 64 \
+            --long-prompt 0 --trace-steps
+        summary "serve_run_on_$ro"
+      done ;;
     *)
-      echo "unknown set '$set' (handoff, migrate, migrate-1b, serve, overhead)" >&2
+      echo "unknown set '$set' (handoff, migrate, migrate-1b, serve, overhead, serve-run-on)" >&2
       exit 2 ;;
   esac
 done

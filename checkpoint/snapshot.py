@@ -389,23 +389,29 @@ def _plain(d: dict) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
 
 
+def _still(session: Any):
+    """The session held at its boundary while it is read (Session.still), where it has one."""
+    return session.still() if hasattr(session, "still") else contextlib.nullcontext()
+
+
 def snapshot(session: Any, mode: str = "lossless") -> Iterator[bytes]:
     """The whole checkpoint of a session (between steps), as a stream of byte chunks."""
-    sn = Snapshotter(session, mode)
-    yield sn.header()
-    yield from sn.finish()
+    with _still(session):
+        sn = Snapshotter(session, mode)
+        yield sn.header()
+        yield from sn.finish()
 
 
 def save(session: Any, path: str | os.PathLike, mode: str = "lossless") -> dict:
     """Write a checkpoint file atomically; returns sizes."""
     import tempfile
 
-    sn = Snapshotter(session, mode)
     # a new file of our own next to the target (O_EXCL, mode 0600): never a path someone
     # else placed there, such as a symlink; then an atomic rename over the target
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(os.path.abspath(path)))
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f, _still(session):
+            sn = Snapshotter(session, mode)
             f.write(sn.header())
             for chunk in sn.finish():
                 f.write(chunk)

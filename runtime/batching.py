@@ -21,6 +21,12 @@ one thread switch a token instead of several.
 
 A GPU host also queues each greedy row's next step on the device's argmax
 before it waits for the step (:mod:`kvferry.speculation`), as mlx-lm does.
+
+Driven, a step may also *run on* (``KVFERRY_RUN_ON=1``, an experiment): the
+decode of each token a guest chose is queued for the next step at once, and its
+session's thread attaches to it when it comes back, so a step waits for no
+thread. A pause for a migration holds at a boundary with nothing queued
+(:meth:`StepScheduler.still`); a turn that stops early takes the queued decode back.
 """
 
 from __future__ import annotations
@@ -128,7 +134,8 @@ class StepScheduler(PromptPlacement, Speculation, StepForward):
         # driven decodes this thread queued without waiting for their sessions' threads (run on)
         self.run_on: dict = {}  # session -> its queued _Request
         self.held: set = set()  # sessions that must come to a still step boundary (a migration's pause)
-        self.runs_on = drive and os.environ.get("KVFERRY_RUN_ON") != "0"
+        # an experiment, off until a GPU shows a gain: neutral on this CPU (docs/sessions.md)
+        self.runs_on = drive and os.environ.get("KVFERRY_RUN_ON") == "1"
         self.closed = False
         self._last = time.monotonic()
         self.budget = PromptBudget()  # prompt tokens beside decodes, steered from step times
@@ -279,6 +286,16 @@ class StepScheduler(PromptPlacement, Speculation, StepForward):
         with self.cv:
             self.held.add(session)
             return session not in self.run_on
+
+    def settle(self, session: Any) -> None:
+        """Hold ``session`` at the boundary its own thread left it at: no step of it runs
+        on from now, and a decode queued for it is taken back (a checkpoint between two
+        steps, its generator suspended). :meth:`release` ends it."""
+        with self.cv:
+            self.held.add(session)
+            req = self.run_on.pop(session, None)
+            undo = self._retract(req) if req is not None else None
+        self._undo(session, undo)
 
     def release(self, session: Any) -> None:
         """The pause is over and the turn goes on here: its steps run on again."""

@@ -13,6 +13,7 @@ guest's memory: that is where checkpoints and migrations cut.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 import time
@@ -356,6 +357,17 @@ class Session:
                              f"over this host's budget of {budget * 1000:g} ms (serve --guest-step-ms); "
                              "its session leaves the batch")
         return tok
+
+    @contextlib.contextmanager
+    def still(self) -> Iterator[None]:
+        """No step of this session runs while the block runs, and none has run past the
+        boundary its own thread left it at (kvferry.batching runs steps on): what a
+        checkpoint of a session between two steps reads."""
+        self.host.steps.settle(self)
+        try:
+            yield
+        finally:
+            self.host.steps.release(self)
 
     def will_decode(self, token: int) -> bool:
         """Whether the turn in progress, its guest having just chosen ``token``, asks for

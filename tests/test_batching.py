@@ -22,16 +22,20 @@ def greedy(n):
     return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
 
 
-@pytest.fixture(scope="module", params=[(False, False), (True, False), (True, True)],
-                ids=["per-session-kv", "shared-kv", "shared-kv-step-guests"])
+@pytest.fixture(scope="module", params=[(False, False, False), (True, False, False), (True, True, False),
+                                        (True, True, True)],
+                ids=["per-session-kv", "shared-kv", "shared-kv-step-guests", "shared-kv-step-guests-run-on"])
 def host(smollm, request):
     """A host of each KV layout: per-session caches and shared resident rows
-    (kvferry.resident, the default), on this CPU; the last also
-    runs decode steps' guests on the step thread (serve --guest-thread step, the
-    GPU default)."""
-    shared, drive = request.param
-    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, shared_kv=shared, drive_guests=drive))
-    assert (h.steps.shared is not None) == shared and h.steps.drive == drive
+    (kvferry.resident, the default), on this CPU; the last two also
+    run decode steps' guests on the step thread (serve --guest-thread step, the
+    GPU default), and the last queues each reply's next decode before its
+    session's thread comes back for it (KVFERRY_RUN_ON=1)."""
+    shared, drive, run_on = request.param
+    with pytest.MonkeyPatch.context() as mp:  # (read when the host starts)
+        mp.setenv("KVFERRY_RUN_ON", "1" if run_on else "0")
+        h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, shared_kv=shared, drive_guests=drive))
+    assert (h.steps.shared is not None) == shared and h.steps.drive == drive and h.steps.runs_on == run_on
     yield h
     h.close()
 
@@ -77,8 +81,10 @@ def test_concurrent_sessions_share_decode_steps_and_match_solo(host, solo):
     assert rows >= 4 * 15 and steps < rows  # several sessions per forward pass
     assert host.steps.stats["max_batch_seen"] >= 2
     assert out == solo  # attention per row is exact; on this machine the matmuls agree too
-    if host.steps.drive:  # each next decode was queued before its session's thread came back
+    if host.steps.runs_on:  # each next decode was queued before its session's thread came back
         assert host.steps.stats["run_on"] >= len(PROMPTS) * 10
+    else:
+        assert host.steps.stats["run_on"] == 0
     again, _ = together(host, PROMPTS)
     assert again == out  # the same sessions together again: the same tokens
     if host.steps.shared is not None:  # they decoded in resident rows, and left them when they closed
@@ -486,8 +492,8 @@ def test_a_reply_stopped_mid_way_takes_back_the_decode_run_on_for_it(host, solo)
     for its next token (run on) is taken back, so the session is as its own thread
     left it (the history one token behind the reply), and the reply continued later
     is the solo one."""
-    if not host.steps.drive:
-        pytest.skip("only a host that runs guests on its step thread runs decodes on")
+    if not host.steps.runs_on:
+        pytest.skip("only a host that runs guests on its step thread runs decodes on, when asked")
     p = PROMPTS[1]
     s = host.create_session(sampling=greedy(16))
     retracted = host.steps.stats["run_on_retracted"]

@@ -681,13 +681,15 @@ def test_the_step_a_source_ran_ahead_goes_along_and_the_target_takes_it(speculat
 
 @pytest.fixture(scope="module")
 def driving_pair(smollm):
-    """The GPU's defaults on this CPU: guests on the step thread, which queues each
-    reply's next decode before the session's thread comes back for it (run on), and
-    speculates greedy steps."""
+    """The GPU's defaults on this CPU (guests on the step thread, greedy steps
+    speculated), and the step thread queuing each reply's next decode before the
+    session's thread comes back for it (run on, KVFERRY_RUN_ON=1)."""
     from kvferry.policy import HostPolicy
 
-    hosts = [ModelHost(lm=smollm, progress=False, policy=HostPolicy(speculate=True, drive_guests=True))
-             for _ in range(2)]
+    with pytest.MonkeyPatch.context() as mp:  # (read when a host starts)
+        mp.setenv("KVFERRY_RUN_ON", "1")
+        hosts = [ModelHost(lm=smollm, progress=False, policy=HostPolicy(speculate=True, drive_guests=True))
+                 for _ in range(2)]
     servers = [HostServer(h, "127.0.0.1:0", token=TOKEN).start() for h in hosts]
     servers[0].peers, servers[1].peers = (servers[1].address,), (servers[0].address,)
     yield servers

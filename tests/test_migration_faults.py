@@ -635,7 +635,11 @@ def speculating_pair(smollm):
     from kvferry.policy import HostPolicy
 
     # SmolLM2 (the tiny model repeats one token: a wrong K/V would not show in its reply)
-    hosts = [ModelHost(lm=smollm, progress=False, policy=HostPolicy(speculate=True)) for _ in range(2)]
+    yield from _serving([ModelHost(lm=smollm, progress=False, policy=HostPolicy(speculate=True)) for _ in range(2)])
+
+
+def _serving(hosts):
+    """Two hosts served, each the other's migration peer, until the fixture ends."""
     servers = [HostServer(h, "127.0.0.1:0", token=TOKEN).start() for h in hosts]
     servers[0].peers, servers[1].peers = (servers[1].address,), (servers[0].address,)
     yield servers
@@ -690,12 +694,7 @@ def driving_pair(smollm):
         mp.setenv("KVFERRY_RUN_ON", "1")
         hosts = [ModelHost(lm=smollm, progress=False, policy=HostPolicy(speculate=True, drive_guests=True))
                  for _ in range(2)]
-    servers = [HostServer(h, "127.0.0.1:0", token=TOKEN).start() for h in hosts]
-    servers[0].peers, servers[1].peers = (servers[1].address,), (servers[0].address,)
-    yield servers
-    for s, h in zip(servers, hosts):
-        s.stop()
-        h.close()
+    yield from _serving(hosts)
 
 
 @pytest.mark.parametrize("live", [True, False], ids=["live", "stop-copy"])

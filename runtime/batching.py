@@ -22,11 +22,8 @@ one thread switch a token instead of several.
 A GPU host also queues each greedy row's next step on the device's argmax
 before it waits for the step (:mod:`kvferry.speculation`), as mlx-lm does.
 
-Driven, a step may also *run on* (``KVFERRY_RUN_ON=1``, an experiment): the
-decode of each token a guest chose is queued for the next step at once, and its
-session's thread attaches to it when it comes back, so a step waits for no
-thread. A pause for a migration holds at a boundary with nothing queued
-(:meth:`StepScheduler.still`); a turn that stops early takes the queued decode back.
+Driven, a step may also *run on* (:mod:`kvferry.run_on`, an experiment): the
+decode of each token a guest chose is queued for the next step at once.
 """
 
 from __future__ import annotations
@@ -46,6 +43,7 @@ from .collector import paused_seconds
 from .errors import ConfigError, SessionError
 from .prefill_thread import PrefillThread
 from .prompt_placement import PromptPlacement
+from .run_on import RunOn
 from .top1 import StepTop1
 from .prompt_budget import PromptBudget
 from .speculation import Speculation
@@ -96,7 +94,7 @@ class _Request:
         self.unattended = self.attached = self.ran = self.gone = False  # gone: retracted, never driven
 
 
-class StepScheduler(PromptPlacement, Speculation, StepForward):
+class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
     """The step loop of one host (one thread). See the module docstring."""
 
     def __init__(self, host: Any, *, max_batch: int, guest_step_ms: float, step_tokens: int = 0,
@@ -131,11 +129,7 @@ class StepScheduler(PromptPlacement, Speculation, StepForward):
         self.decodes: deque[_Request] = deque()
         self.prefills: deque[_Request] = deque()
         self.expect: set = set()  # sessions given logits by the last step and not back yet
-        # driven decodes this thread queued without waiting for their sessions' threads (run on)
-        self.run_on: dict = {}  # session -> its queued _Request
-        self.held: set = set()  # sessions that must come to a still step boundary (a migration's pause)
-        # an experiment, off until a GPU shows a gain: neutral on this CPU (docs/sessions.md)
-        self.runs_on = drive and os.environ.get("KVFERRY_RUN_ON") == "1"
+        self._init_run_on(drive)
         self.closed = False
         self._last = time.monotonic()
         self.budget = PromptBudget()  # prompt tokens beside decodes, steered from step times
@@ -202,14 +196,7 @@ class StepScheduler(PromptPlacement, Speculation, StepForward):
         if not (self.drive and last is not None and last >= 0 and not session._prompt_left
                 and session.plain_kv()):
             return session.guest_step()
-        undo = None
-        with self.cv:
-            req = self.run_on.pop(session, None)
-            if req is not None and req.tokens == [last]:
-                req.attached = True  # this step already runs (or ran) its decode
-            elif req is not None:  # (another token than it ran on: not this turn's next step)
-                undo, req = self._retract(req), None
-        self._undo(session, undo)
+        req = self._attach(session, last)
         if req is None:
             req = _Request(session, [last], driven=True)
             self._enqueue(req)
@@ -226,14 +213,7 @@ class StepScheduler(PromptPlacement, Speculation, StepForward):
         """Run the guests of this step's driven rows, each on its logits (on this
         thread, under a deadline of a few budgets: a guest that spins is cut off)."""
         deadline = max(5 * self.gather_s, 0.1) * 1000
-        with self.cv:  # rows run on whose sessions' threads did not come back during the step
-            late = [r for r in reqs if r.gone or (r.unattended and not r.attached)]
-            for r in late:
-                r.ran = True
-                self.stats["run_on_late"] += not r.gone
-            reqs = [r for r in reqs if not r.gone and (not r.unattended or r.attached)]
-        for r in late:
-            r.done.set()
+        reqs = self._drivable(reqs)
         for r in reqs:
             try:
                 r.token = r.session.guest_step((r.tokens[-1], r.logits, r.top1), deadline_ms=deadline)
@@ -246,31 +226,11 @@ class StepScheduler(PromptPlacement, Speculation, StepForward):
         for r in reqs:
             r.done.set()
 
-    def _run_on(self, reqs: list[_Request]) -> None:
-        """Queue the decode of each token these guests chose, for the next step, before
-        their sessions' threads come back for it (they attach to it then): the next step
-        need not wait for them, as vLLM's engine loop waits for no API server. Only where
-        the turn will ask for that decode next (run_reply's limits), and never for a
-        session that must come to a still boundary (:meth:`still`)."""
-        with self.cv:
-            for r in reqs:
-                s = r.session
-                if (r.error is None and r.token is not None and s not in self.held and s not in self.run_on
-                        and not s.closed and s.will_decode(r.token)):
-                    nxt = _Request(s, [r.token], driven=True)
-                    nxt.unattended = True
-                    self.run_on[s] = nxt
-                    self.decodes.append(nxt)
-                    self.stats["run_on"] += 1
-                    self.expect.discard(s)
-
     def leave(self, session: Any) -> None:
         """``session`` has no token coming this step (its turn ended or paused)."""
         self.guesses.pop(session, None)  # nor the guessed one: drop it (and the cache it holds)
         with self.cv:
-            self.held.discard(session)
-            req = self.run_on.pop(session, None)
-            undo = self._retract(req) if req is not None else None
+            undo = self._unhold(session)
             if self.shared is not None and self.shared.owns(session):
                 self.departing[session] = list(session.cache)  # its KV goes back to it at the next step
                 self.cv.notify_all()
@@ -278,51 +238,6 @@ class StepScheduler(PromptPlacement, Speculation, StepForward):
                 self.expect.discard(session)
                 self.cv.notify_all()
         self._undo(session, undo)
-
-    def still(self, session: Any) -> bool:
-        """(A migration's pause, at a step boundary of ``session``'s turn) Run none of its
-        steps on from now; True when none is queued or running, so the boundary is still.
-        False: one is, and its thread takes its token first (the next boundary is still)."""
-        with self.cv:
-            self.held.add(session)
-            return session not in self.run_on
-
-    def settle(self, session: Any) -> None:
-        """Hold ``session`` at the boundary its own thread left it at: no step of it runs
-        on from now, and a decode queued for it is taken back (a checkpoint between two
-        steps, its generator suspended). :meth:`release` ends it."""
-        with self.cv:
-            self.held.add(session)
-            req = self.run_on.pop(session, None)
-            undo = self._retract(req) if req is not None else None
-        self._undo(session, undo)
-
-    def release(self, session: Any) -> None:
-        """The pause is over and the turn goes on here: its steps run on again."""
-        with self.cv:
-            self.held.discard(session)
-
-    def _retract(self, req: _Request) -> _Request | None:
-        """(Under ``cv``) A decode run on that its session will not ask for: not run yet, it
-        leaves the queue (None); in a step, it is marked to be left undriven, and returned
-        for :meth:`_undo` (outside ``cv``)."""
-        self.stats["run_on_retracted"] += 1
-        if req in self.decodes:
-            self.decodes.remove(req)
-            return None
-        req.gone = True
-        return req
-
-    def _undo(self, session: Any, req: _Request | None) -> None:
-        """Take back the token a retracted decode wrote, once its step is done: the cache
-        and the history are then as the session's own thread left them."""
-        if req is None:
-            return
-        if threading.current_thread() is self.thread:  # (it would wait for its own step)
-            raise SessionError("a decode run on cannot be retracted by the step thread")
-        req.done.wait()
-        if req.error is None and req.ran:
-            session._take_back()
 
     def close(self) -> None:
         with self.cv:
@@ -511,8 +426,8 @@ class StepScheduler(PromptPlacement, Speculation, StepForward):
         return self.shared.join_s if self.shared is not None else 0.0
 
     @staticmethod
-    def request(session: Any, tokens: list[int]) -> _Request:
-        return _Request(session, tokens)
+    def request(session: Any, tokens: list[int], driven: bool = False) -> _Request:
+        return _Request(session, tokens, driven)
 
     def _account(self, rows: list, n_prompt: int, dt: float) -> None:
         s = self.stats

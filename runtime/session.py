@@ -369,15 +369,18 @@ class Session:
         finally:
             self.host.steps.release(self)
 
+    def at_length(self, turn: TurnState, n_tokens: int) -> bool:
+        """Whether a reply of ``n_tokens`` tokens has reached the host's hard limits (the
+        turn's and the session's max tokens, a context without --ctx full): it ends there."""
+        limit = min(turn.max_tokens or self.sampling.max_tokens, self.sampling.max_tokens)
+        return n_tokens >= limit or (self.options.ctx is None and len(self.history) + 1 >= self.context)
+
     def will_decode(self, token: int) -> bool:
         """Whether the turn in progress, its guest having just chosen ``token``, asks for
-        that token's decode next: a token of the vocabulary, and the host's limits
-        (:func:`kvferry.turn.run_reply`'s) not reached once it is added."""
+        that token's decode next: a token of the vocabulary, and the reply not at its
+        length once it is added (:func:`kvferry.turn.run_reply`)."""
         t = self.turn
-        if t is None or not 0 <= token < self.vocab_size:
-            return False
-        limit = min(t.max_tokens or self.sampling.max_tokens, self.sampling.max_tokens)
-        return len(t.tokens) + 1 < limit and (self.options.ctx is not None or len(self.history) + 1 < self.context)
+        return t is not None and 0 <= token < self.vocab_size and not self.at_length(t, len(t.tokens) + 1)
 
     def _take_back(self) -> None:
         """Undo the last decoded token (a step the host ran ahead for the guest)."""

@@ -165,9 +165,9 @@ class TurnDriver:
             if p is not None and ev.finish_reason is None and s.host.steps.still(s):
                 p.paused.set()
                 p.resume.wait()
-                if not p.committed:
+                if not p.committed:  # the migration failed: the turn goes on here
                     s.host.steps.release(s)
-                if p.committed:
+                else:
                     if p.target:
                         mark("source_moved_to", s.id)
                         yield pb.TokenChunk(index=ev.index + 1, token=-1, moved_to=p.target)

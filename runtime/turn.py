@@ -61,11 +61,8 @@ def run_reply(session: Any, turn: TurnState, replay_from: int | None) -> Iterato
     n_new = 0
     while True:
         i = len(turn.tokens)
-        if i >= min(turn.max_tokens or session.sampling.max_tokens, session.sampling.max_tokens):
+        if session.at_length(turn, i):
             finish = "length"  # the host's hard limit, whatever the guest does
-            break
-        if len(session.history) + 1 >= session.context and session.options.ctx is None:
-            finish = "length"
             break
         t_step = time.perf_counter()
         # a decode step runs the guest on the host's step thread where it can (kvferry.batching)

@@ -396,9 +396,13 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
             going = [(s, c) for s, c in self.departing.items() if s not in stepping or s.closed]
             self.departing = {}
         if going:
+            import mlx.core as mx
+
+            copied: list = []  # every leaver's KV, evaluated at once
             with self.host.compute:
                 for s, caches in going:
-                    self.shared.leave(s, caches)
+                    self.shared.leave(s, caches, copied)
+                mx.eval(copied)
 
     def _fail(self, reqs: list[_Request], err: Exception) -> None:
         with self.cv:

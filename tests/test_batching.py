@@ -292,9 +292,13 @@ def test_a_checkpoint_taken_mid_batch_continues_identically(host, solo):
 @pytest.fixture(scope="module")
 def speculating(smollm):
     """A host that speculates the greedy next step over shared KV rows, its guests on
-    the step thread (the GPU defaults), on this CPU."""
-    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, speculate=True, shared_kv=True,
-                                                               drive_guests=True))
+    the step thread (the GPU defaults), on this CPU. Without run on, so that a
+    session between two steps holds a guess, not a decode queued ahead (the ``host``
+    fixture's last layout covers that)."""
+    with pytest.MonkeyPatch.context() as mp:  # (read when the host starts)
+        mp.setenv("KVFERRY_RUN_ON", "0")
+        h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, speculate=True, shared_kv=True,
+                                                                   drive_guests=True))
     assert h.steps.speculate and not host_default_speculates(smollm)
     yield h
     h.close()

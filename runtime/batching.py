@@ -22,7 +22,7 @@ one thread switch a token instead of several.
 A GPU host also queues each greedy row's next step on the device's argmax
 before it waits for the step (:mod:`kvferry.speculation`), as mlx-lm does.
 
-Driven, a step also *runs on* (:mod:`kvferry.run_on`; ``KVFERRY_RUN_ON=0``: not): the
+Driven, a step may also *run on* (:mod:`kvferry.run_on`, an experiment): the
 decode of each token a guest chose is queued for the next step at once.
 """
 
@@ -326,16 +326,15 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
                         top = StepTop1(logits) if logits and (guessing or self.device_top1) else None
                         for r in rows:  # the history moves with the cache, under the compute lock
                             r.session.history.append(r.tokens[-1])  # (pre-copy reads both)
-                        kept: list = []  # prompts just in, copied for others: evaluated with the step
                         for req, chunk in plan:
                             req.session.history.extend(chunk)
                             if req.fresh and len(req.tokens) == 1:  # its prompt is in: others may start from it
-                                self.host.prefix.keep(req.session, kept)
+                                self.host.prefix.keep(req.session)
                         if guessing:
                             self._guess(rows, logits, top)
-                            mx.eval(logits, top.pairs, kept)
-                        elif top is not None or kept:
-                            mx.eval(top.pairs if top is not None else [], kept)  # (the logits are evaluated by now)
+                            mx.eval(logits, top.pairs)
+                        elif top is not None:
+                            mx.eval(top.pairs)  # (the logits are evaluated by now)
                     except Exception:
                         self._settle(rows + [req for req, _ in plan])
                         raise

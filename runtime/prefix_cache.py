@@ -42,11 +42,10 @@ class PrefixCache:
         self.bytes = 0
         self.stats = {"hits": 0, "misses": 0, "reused_tokens": 0}
 
-    def fill(self, session: Any, tokens: list[int], pending: list | None = None) -> int:
+    def fill(self, session: Any, tokens: list[int]) -> int:
         """Put the KV of the longest cached prefix of ``tokens`` (all but the last,
         which is decoded in a batch) into ``session``'s empty cache; return its
-        length, 0 when none is long enough. ``pending``: the caller evaluates the
-        filled caches with others' (see :meth:`keep`)."""
+        length, 0 when none is long enough."""
         import mlx.core as mx
 
         if not self.budget or len(tokens) <= MIN_TOKENS:
@@ -66,26 +65,17 @@ class PrefixCache:
         layers = self.entries[best_key][1]
         for c, (k, v) in zip(session.cache, layers):
             c.update_and_fetch(k[..., :best, :], v[..., :best, :])  # into the session's own buffer
-        # evaluated on the thread that holds the compute lock (here, or by the caller before
-        # it lets the lock go): MLX streams belong to their thread, and the next to read this
-        # cache may be another (a migration's pre-copy, which failed with "There is no
-        # Stream(cpu, N) in current thread")
-        filled = [x for c in session.cache for x in (c.keys, c.values)]
-        if pending is None:
-            mx.eval(filled)
-        else:
-            pending += filled
+        # evaluated here, on the thread that holds the compute lock: MLX streams belong to
+        # their thread, and the next to read this cache may be another (a migration's
+        # pre-copy, which failed with "There is no Stream(cpu, N) in current thread")
+        mx.eval([x for c in session.cache for x in (c.keys, c.values)])
         self.stats["hits"] += 1
         self.stats["reused_tokens"] += best
         return best
 
-    def keep(self, session: Any, pending: list | None = None) -> None:
+    def keep(self, session: Any) -> None:
         """Remember ``session``'s whole history (a fresh session's prompt, just
-        prefilled) and its KV, copied. ``pending``: the caller evaluates the copies
-        with the rest of its step, before it lets the compute lock go. On a GPU each
-        evaluation is a wait for the device: a burst of 43 newcomers in one step,
-        each kept with an evaluation of its own, made that step 722 ms on an H100
-        (docs/performance.md)."""
+        prefilled) and its KV, copied."""
         import mlx.core as mx
 
         n = len(session.history)
@@ -107,10 +97,7 @@ class PrefixCache:
         size = sum(k.nbytes + v.nbytes for k, v in layers)
         if size > self.budget:
             return
-        if pending is None:
-            mx.eval(layers)
-        else:
-            pending += [x for kv in layers for x in kv]
+        mx.eval(layers)
         for old, old_ids in mine:
             if len(old_ids) < n and _common(old_ids, ids) == len(old_ids):
                 self._drop(old)  # the new entry covers it

@@ -59,15 +59,12 @@ class PromptPlacement:
         fresh = [r for r in prompts if r.fresh and not r.looked]
         if not fresh or not self.host.prefix.budget:
             return
-        import mlx.core as mx
-
-        filled: list = []  # one evaluation for them all: on a GPU each is a wait for the device
         with self.host.compute:
             for r in fresh:
                 r.looked = True
                 if r.session.closed or r.session.history:
                     continue
-                n = self.host.prefix.fill(r.session, r.tokens, filled)
+                n = self.host.prefix.fill(r.session, r.tokens)
                 if n:
                     r.session.history.extend(r.tokens[:n])
                     r.tokens = r.tokens[n:]
@@ -76,7 +73,6 @@ class PromptPlacement:
                         with self.cv:
                             self.prefills.remove(r)
                             self.decodes.append(r)
-            mx.eval(filled)
 
     def _offload(self, rows: list[Any], prompts: list[Any]) -> list[Any]:
         """Hand long prompts that arrive while others decode to the prefill thread,

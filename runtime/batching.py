@@ -395,13 +395,9 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
             going = [(s, c) for s, c in self.departing.items() if s not in stepping or s.closed]
             self.departing = {}
         if going:
-            import mlx.core as mx
-
-            copied: list = []  # every leaver's KV, evaluated at once
             with self.host.compute:
                 for s, caches in going:
-                    self.shared.leave(s, caches, copied)
-                mx.eval(copied)
+                    self.shared.leave(s, caches)
 
     def _fail(self, reqs: list[_Request], err: Exception) -> None:
         with self.cv:

@@ -183,11 +183,9 @@ class ResidentRows:
             c.__dict__.pop("values", None)
         self.owner[row] = session
 
-    def leave(self, session: Any, caches: list, pending: list | None = None) -> None:
+    def leave(self, session: Any, caches: list) -> None:
         """Copy a resident session's KV back into caches of its own and free its row
-        (``caches``: its cache objects; a closed session's are dropped, not copied).
-        ``pending``: the caller evaluates the copies, once for every session leaving,
-        before it lets the compute lock go (on a GPU each evaluation waits for the device)."""
+        (``caches``: its cache objects; a closed session's are dropped, not copied)."""
         rows = [i for i, o in enumerate(self.owner) if o is session]  # (a reset cache left its old row)
         mine = bool(caches) and type(caches[0]) is ResidentKV and caches[0]._rows is self
         if mine and not session.closed:
@@ -202,10 +200,7 @@ class ResidentRows:
                     own_side[..., :c.offset, :] = buf[row:row + 1, :, :c.offset, :]
                     sides.append(own_side)
                 own.append(sides)
-            if pending is None:
-                mx.eval(own)
-            else:
-                pending += [x for kv in own for x in kv]
+            mx.eval(own)
             for c, (k, v) in zip(caches, own):
                 c.__dict__["keys"], c.__dict__["values"] = k, v  # shadowed until the class changes
                 c.__class__ = KVCache

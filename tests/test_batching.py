@@ -30,7 +30,8 @@ def host(smollm, request):
     (kvferry.resident, the default), on this CPU; the last two also
     run decode steps' guests on the step thread (serve --guest-thread step, the
     GPU default), and the last queues each reply's next decode before its
-    session's thread comes back for it (KVFERRY_RUN_ON=1)."""
+    session's thread comes back for it (run on, their default; the third has
+    KVFERRY_RUN_ON=0)."""
     shared, drive, run_on = request.param
     with pytest.MonkeyPatch.context() as mp:  # (read when the host starts)
         mp.setenv("KVFERRY_RUN_ON", "1" if run_on else "0")
@@ -497,7 +498,7 @@ def test_a_reply_stopped_mid_way_takes_back_the_decode_run_on_for_it(host, solo)
     left it (the history one token behind the reply), and the reply continued later
     is the solo one."""
     if not host.steps.runs_on:
-        pytest.skip("only a host that runs guests on its step thread runs decodes on, when asked")
+        pytest.skip("only a host that runs guests on its step thread runs decodes on (unless KVFERRY_RUN_ON=0)")
     p = PROMPTS[1]
     s = host.create_session(sampling=greedy(16))
     retracted = host.steps.stats["run_on_retracted"]

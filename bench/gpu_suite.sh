@@ -12,6 +12,8 @@
 #   serve       bench serve at 1 / 8 / 32 / 64 sessions, with the step trace
 #   overhead    guest overhead against bare mlx-lm
 #   serve-run-on  bench serve at 64 sessions with KVFERRY_RUN_ON=1 then 0 (docs/sessions.md)
+#   newcomers   bench serve at 64 sessions with the host's step trace kept, and its steps
+#               that took prompts listed (the first token of a burst, docs/performance.md)
 #
 # Every bench has its own timeout (SECONDS_<SET>, default below): a cut bench leaves
 # its error file and the next set still runs. Six files at most a set, so a device
@@ -85,8 +87,23 @@ for set in "$@"; do
             --long-prompt 0 --trace-steps
         summary "serve_run_on_$ro"
       done ;;
+    newcomers)  # which steps took the burst's prompts, and how long each ran
+      mkdir -p "$out/trace"
+      KVFERRY_STEP_TRACE="$out/trace" bench newcomers "${SECONDS_SERVE:-280}" serve --sessions 64 --tokens 64 \
+          --long-prompt 0
+      summary newcomers
+      python3 - "$out"/trace/steps-*.jsonl <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    steps = [json.loads(line) for line in open(path)]
+    for i, s in enumerate(steps):
+        if s["prompts"]:
+            print(f"   step {i}: {len(s['rows'])} rows, {len(s['prompts'])} prompts "
+                  f"({sum(n for _, n in s['prompts'])} tokens), forward {s['forward_ms']} ms, join {s['join_ms']} ms")
+PY
+      ;;
     *)
-      echo "unknown set '$set' (handoff, migrate, migrate-1b, serve, overhead, serve-run-on)" >&2
+      echo "unknown set '$set' (handoff, migrate, migrate-1b, serve, overhead, serve-run-on, newcomers)" >&2
       exit 2 ;;
   esac
 done

@@ -22,7 +22,7 @@ one thread switch a token instead of several.
 A GPU host also queues each greedy row's next step on the device's argmax
 before it waits for the step (:mod:`kvferry.speculation`), as mlx-lm does.
 
-Driven, a step may also *run on* (:mod:`kvferry.run_on`, an experiment): the
+Driven, a step also *runs on* (:mod:`kvferry.run_on`; ``KVFERRY_RUN_ON=0``: not): the
 decode of each token a guest chose is queued for the next step at once.
 """
 

@@ -38,6 +38,7 @@ import weakref
 from collections import deque
 from typing import Any
 
+from . import burst
 from .batch_attention import install, install_packed
 from .collector import paused_seconds
 from .errors import ConfigError, SessionError
@@ -124,6 +125,8 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
             from . import resident
 
             self.shared = resident.ResidentRows()
+        # short prompts as one batch into the shared rows (kvferry.burst): where a step's ops cost most
+        self.bursting = self.shared is not None and burst.enabled(split_prefill)
         self.departing: dict = {}  # resident session -> its caches, to leave the buffers at the next step
         self.cv = threading.Condition()
         self.decodes: deque[_Request] = deque()
@@ -139,6 +142,7 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
                       "speculated": 0, "speculation_hits": 0, "prefill_logits": 0,
                       "landed_steps": 0,  # first steps a migrated session took from its source (speculation)
                       "resident_joins": 0, "resident_steps": 0,  # shared KV rows (kvferry.resident)
+                      "burst_steps": 0, "burst_chunks": 0,  # short prompts prefilled as one batch (kvferry.burst)
                       # decodes queued before their sessions' threads came back, those they came back
                       # too late to drive (their guests called on their own threads), and those taken back
                       "run_on": 0, "run_on_late": 0, "run_on_retracted": 0}
@@ -328,8 +332,8 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
                             r.session.history.append(r.tokens[-1])  # (pre-copy reads both)
                         for req, chunk in plan:
                             req.session.history.extend(chunk)
-                            if req.fresh and len(req.tokens) == 1:  # its prompt is in: others may start from it
-                                self.host.prefix.keep(req.session)
+                        # prompts now in: others may start from them
+                        self._keep([req.session for req, _ in plan if req.fresh and len(req.tokens) == 1])
                         if guessing:
                             self._guess(rows, logits, top)
                             mx.eval(logits, top.pairs)
@@ -365,6 +369,16 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
             with self.cv:  # the gather window opens once every row has its logits or its token
                 self._last = time.monotonic()
         self._fail(list(self.prefills) + list(self.decodes), SessionError("this host is shutting down"))
+
+    def _keep(self, sessions: list) -> None:
+        """New sessions' whole prompts into the prefix cache; those in the shared rows
+        copied out together (kvferry.burst.copies: one gather a layer, not a copy a layer each)."""
+        if not sessions or not self.host.prefix.budget:
+            return
+        rows = [s for s in sessions if self.shared is not None and self.shared.resident(s)] if self.bursting else []
+        copied = burst.copies(self.shared, rows) if len(rows) > 1 else {}
+        for s in sessions:
+            self.host.prefix.keep(s, copied.get(s))
 
     def _settle(self, reqs: list) -> None:
         """After a step failed (or its guess): what it built before it failed (the K/V

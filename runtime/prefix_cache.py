@@ -42,14 +42,13 @@ class PrefixCache:
         self.bytes = 0
         self.stats = {"hits": 0, "misses": 0, "reused_tokens": 0}
 
-    def fill(self, session: Any, tokens: list[int]) -> int:
-        """Put the KV of the longest cached prefix of ``tokens`` (all but the last,
-        which is decoded in a batch) into ``session``'s empty cache; return its
-        length, 0 when none is long enough."""
-        import mlx.core as mx
-
+    def match(self, session: Any, tokens: list[int]) -> tuple[int, list]:
+        """The longest cached prefix of ``tokens`` (all but the last, which is decoded
+        in a batch) that ``session`` may start from: its length and per layer (keys,
+        values), to be copied (:meth:`fill`, or :func:`kvferry.burst.write_prefix`);
+        (0, []) when none is long enough. Counted as a hit or a miss."""
         if not self.budget or len(tokens) <= MIN_TOKENS:
-            return 0
+            return 0, []
         want = np.asarray(tokens[:-1], dtype=np.int64)
         best, best_key = 0, None
         for key, (ids, _) in self.entries.items():
@@ -60,22 +59,34 @@ class PrefixCache:
                 best, best_key = n, key
         if best < MIN_TOKENS:
             self.stats["misses"] += 1
-            return 0
+            return 0, []
         self.entries.move_to_end(best_key)
-        layers = self.entries[best_key][1]
+        self.stats["hits"] += 1
+        self.stats["reused_tokens"] += best
+        return best, self.entries[best_key][1]
+
+    def fill(self, session: Any, tokens: list[int]) -> int:
+        """Put the KV of the longest cached prefix of ``tokens`` (:meth:`match`) into
+        ``session``'s empty cache; return its length, 0 when none is long enough."""
+        best, layers = self.match(session, tokens)
+        return self.fill_from(session, layers, best) if best else 0
+
+    def fill_from(self, session: Any, layers: list, best: int) -> int:
+        """A matched prefix (:meth:`match`) copied into ``session``'s empty cache; its length."""
+        import mlx.core as mx
+
         for c, (k, v) in zip(session.cache, layers):
             c.update_and_fetch(k[..., :best, :], v[..., :best, :])  # into the session's own buffer
         # evaluated here, on the thread that holds the compute lock: MLX streams belong to
         # their thread, and the next to read this cache may be another (a migration's
         # pre-copy, which failed with "There is no Stream(cpu, N) in current thread")
         mx.eval([x for c in session.cache for x in (c.keys, c.values)])
-        self.stats["hits"] += 1
-        self.stats["reused_tokens"] += best
         return best
 
-    def keep(self, session: Any) -> None:
+    def keep(self, session: Any, layers: list | None = None) -> None:
         """Remember ``session``'s whole history (a fresh session's prompt, just
-        prefilled) and its KV, copied."""
+        prefilled) and its KV, copied (``layers``: per layer (keys, values), a copy
+        made already)."""
         import mlx.core as mx
 
         n = len(session.history)
@@ -93,7 +104,8 @@ class PrefixCache:
                 return
         # mx.contiguous of a slice of the session's (longer) buffer is a copy: the
         # entry shares nothing the session will write to
-        layers = [(mx.contiguous(c.keys[..., :n, :]), mx.contiguous(c.values[..., :n, :])) for c in session.cache]
+        if layers is None:
+            layers = [(mx.contiguous(c.keys[..., :n, :]), mx.contiguous(c.values[..., :n, :])) for c in session.cache]
         size = sum(k.nbytes + v.nbytes for k, v in layers)
         if size > self.budget:
             return

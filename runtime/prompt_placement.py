@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import burst
 from .errors import SessionError
 from .prefill_thread import eligible, private_copy
 
@@ -36,7 +37,8 @@ class PromptPlacement:
         plan = []
         alone = not (rows or self._late)  # nobody decoding: ALONE_TOKENS, several prompts if they pack
         budget = ALONE_TOKENS if alone else self.step_tokens or self.budget.tokens
-        newcomers = NEWCOMER_TOKENS if self.packed else SHORT_PROMPT
+        # a burst (kvferry.burst) costs a newcomer a few of its tokens' work, not ~450 ops of its own
+        newcomers = ALONE_TOKENS if self.bursting else NEWCOMER_TOKENS if self.packed else SHORT_PROMPT
         for req in prompts:
             left = len(req.tokens) - 1  # the last token is decoded in a batch
             if not alone and len(req.tokens) == req.n0 and left <= SHORT_PROMPT:  # untouched and short
@@ -55,24 +57,55 @@ class PromptPlacement:
 
     def _reuse(self, prompts: list[Any]) -> None:
         """New sessions' first prompts start from the longest prefix this host has
-        seen (kvferry.prefix_cache): what is left to prefill is their own part."""
+        seen (kvferry.prefix_cache): what is left to prefill is their own part. Where
+        that part goes in a burst, the prefix goes into the session's row of the shared
+        buffers, one write a layer for all who share it (kvferry.burst.write_prefix)."""
         fresh = [r for r in prompts if r.fresh and not r.looked]
         if not fresh or not self.host.prefix.budget:
             return
+        import mlx.core as mx
+
+        prefix = self.host.prefix
         with self.host.compute:
+            groups: dict = {}  # id of a prefix's layers -> (its layers, its length, the requests)
             for r in fresh:
                 r.looked = True
                 if r.session.closed or r.session.history:
                     continue
-                n = self.host.prefix.fill(r.session, r.tokens)
+                if self.bursting and burst.fits(self.shared, r.session, self.host.lm.dtype):
+                    n, layers = prefix.match(r.session, r.tokens)
+                    if n and len(r.tokens) - n - 1 <= burst.SHORT:
+                        groups.setdefault((id(layers), n), (layers, n, []))[2].append(r)
+                        continue
+                    n = n and prefix.fill_from(r.session, layers, n)
+                else:
+                    n = prefix.fill(r.session, r.tokens)
                 if n:
-                    r.session.history.extend(r.tokens[:n])
-                    r.tokens = r.tokens[n:]
-                    r.n0 = len(r.tokens)  # a newcomer of its own length now (_plan)
-                    if len(r.tokens) == 1:
-                        with self.cv:
-                            self.prefills.remove(r)
-                            self.decodes.append(r)
+                    self._reused(r, n)
+            if groups:
+                model = self.host.lm.model
+                for layers, n, reqs in groups.values():
+                    joined = set(burst.admit(self.shared, model, self.host.lm.dtype, [r.session for r in reqs], self.stats))
+                    burst.write_prefix(self.shared, [r.session for r in reqs if r.session in joined], layers, n)
+                    for r in reqs:
+                        if r.session in joined:
+                            self._reused(r, n)
+                        else:
+                            self._reused(r, prefix.fill_from(r.session, layers, n))
+                # evaluated here, under the lock: another thread may read these rows before the step
+                mx.eval(self.shared.k + self.shared.v)
+
+    def _reused(self, r: Any, n: int) -> None:
+        """``r``'s first ``n`` prompt tokens are in its cache now: the rest is its own part."""
+        if not n:
+            return
+        r.session.history.extend(r.tokens[:n])
+        r.tokens = r.tokens[n:]
+        r.n0 = len(r.tokens)  # a newcomer of its own length now (_plan)
+        if len(r.tokens) == 1:
+            with self.cv:
+                self.prefills.remove(r)
+                self.decodes.append(r)
 
     def _offload(self, rows: list[Any], prompts: list[Any]) -> list[Any]:
         """Hand long prompts that arrive while others decode to the prefill thread,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import burst
 from .batch_attention import PackedCaches, RowCaches
 
 
@@ -25,7 +26,7 @@ class StepForward:
         import mlx.core as mx
 
         model = self.host.lm.model
-        if self.packed and rows and plan and not self.split:
+        if self.packed and rows and plan and not (self.split or self.bursting):  # (a burst goes in a pass of its own)
             return self._forward_packed(rows, plan)
         out, logits = [], []
         resident = False
@@ -52,8 +53,7 @@ class StepForward:
             logits = [batch[i] for i in range(len(rows))]
             out.extend(logits)
         if plan:
-            self._prefill(plan)
-            out.extend(c.state for req, _ in plan for c in req.session.cache)
+            out.extend(self._prefill(plan))
         if not wait:
             # a row's own caches too, so none is left lazy on this thread's stream; a
             # resident row's are views of the buffers already in ``out`` (slicing them
@@ -63,19 +63,37 @@ class StepForward:
         mx.eval(out)
         return logits
 
-    def _prefill(self, plan: list) -> None:
-        """Prompt chunks into their sessions' caches. No logits: a prompt's last token
-        is decoded in a batch. Several chunks go side by side in one pass (packed)."""
+    def _prefill(self, plan: list) -> list:
+        """Prompt chunks into their sessions' caches; returns the arrays to evaluate. No
+        logits: a prompt's last token is decoded in a batch. Several short chunks go as
+        one batch into the shared rows (a burst, :mod:`kvferry.burst`), others side by side
+        in one pass (packed)."""
         import mlx.core as mx
 
         model = self.host.lm.model
+        out = []
+        bursting = [(r, c) for r, c in plan if self._bursts(r, c)] if self.bursting else []
+        if len(bursting) > 1:
+            joined = set(burst.admit(self.shared, model, self.host.lm.dtype, [r.session for r, _ in bursting], self.stats))
+            bursting = [(r, c) for r, c in bursting if r.session in joined]
+        if len(bursting) > 1:
+            self.stats["burst_steps"] += 1
+            self.stats["burst_chunks"] += len(bursting)
+            out.extend(burst.prefill(self.shared, model, [(r.session, c) for r, c in bursting]))
+            plan = [(r, c) for r, c in plan if not any(r is b for b, _ in bursting)]
         body = getattr(model, "model", None) if self.packed else None  # no vocabulary projection
         if body is not None and len(plan) > 1:
             tokens = [t for _, chunk in plan for t in chunk]
             body(mx.array(tokens, dtype=mx.int32)[None], cache=PackedCaches.of([(r.session, len(c)) for r, c in plan]))
-            return
-        for req, chunk in plan:
-            (body or model)(mx.array(chunk, dtype=mx.int32)[None], cache=req.session.cache)
+        else:
+            for req, chunk in plan:
+                (body or model)(mx.array(chunk, dtype=mx.int32)[None], cache=req.session.cache)
+        return out + [c.state for req, _ in plan for c in req.session.cache]
+
+    def _bursts(self, req: Any, chunk: list) -> bool:
+        """Whether ``req``'s chunk can go in a burst: short, on caches that join the shared rows."""
+        return len(chunk) <= burst.SHORT and not req.session.closed and burst.fits(self.shared, req.session,
+                                                                                   self.host.lm.dtype)
 
     def _forward_packed(self, rows: list, plan: list):
         """Decode rows and prompt chunks in one forward pass (one read of the weights);

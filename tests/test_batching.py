@@ -22,21 +22,25 @@ def greedy(n):
     return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n)
 
 
-@pytest.fixture(scope="module", params=[(False, False, False), (True, False, False), (True, True, False),
-                                        (True, True, True)],
-                ids=["per-session-kv", "shared-kv", "shared-kv-step-guests", "shared-kv-step-guests-run-on"])
+@pytest.fixture(scope="module", params=[(False, False, False, False), (True, False, False, False),
+                                        (True, True, False, False), (True, True, True, False), (True, True, True, True)],
+                ids=["per-session-kv", "shared-kv", "shared-kv-step-guests", "shared-kv-step-guests-run-on",
+                     "gpu-layout"])
 def host(smollm, request):
     """A host of each KV layout: per-session caches and shared resident rows
-    (kvferry.resident, the default), on this CPU; the last two also
+    (kvferry.resident, the default), on this CPU; the last three also
     run decode steps' guests on the step thread (serve --guest-thread step, the
-    GPU default), and the last queues each reply's next decode before its
+    GPU default), and the last two queue each reply's next decode before its
     session's thread comes back for it (run on, their default; the third has
-    KVFERRY_RUN_ON=0)."""
-    shared, drive, run_on = request.param
+    KVFERRY_RUN_ON=0). The last also prefills short prompts in bursts, in passes
+    of their own (kvferry.burst): what a GPU host does."""
+    shared, drive, run_on, bursts = request.param
     with pytest.MonkeyPatch.context() as mp:  # (read when the host starts)
         mp.setenv("KVFERRY_RUN_ON", "1" if run_on else "0")
+        mp.setenv("KVFERRY_BURST", "1" if bursts else "0")
         h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, shared_kv=shared, drive_guests=drive))
     assert (h.steps.shared is not None) == shared and h.steps.drive == drive and h.steps.runs_on == run_on
+    assert h.steps.bursting == bursts
     yield h
     h.close()
 
@@ -194,6 +198,44 @@ def test_new_sessions_start_from_a_kept_prompt_prefix_exactly(smollm):
         assert "kvferry_prefix_cache_hits 2.0" in generate_latest(kept.metrics.registry).decode()
     finally:
         kept.close()
+        plain.close()
+
+
+def test_a_burst_of_new_sessions_starts_from_a_kept_prefix_in_the_shared_rows(smollm, monkeypatch):
+    """Newcomers arriving together take the kept prefix into their rows of the shared
+    buffers (one write a layer for all) and prefill the rest as one batch
+    (kvferry.burst): the same tokens as each alone on a host without reuse, and their
+    prompts kept for the next, copied out of the rows."""
+    import numpy as np
+
+    monkeypatch.setenv("KVFERRY_BURST", "1")
+    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(max_batch=8, drive_guests=True))
+    monkeypatch.setenv("KVFERRY_BURST", "0")
+    plain = ModelHost(lm=smollm, progress=False, policy=HostPolicy(prefix_cache_bytes=0))
+    try:
+        assert h.steps.bursting and not plain.steps.bursting
+        first = _turn_state(h, PROMPTS[0])  # kept: the others start from its template head
+        assert first[:2] == _turn_state(plain, PROMPTS[0])[:2]
+        want = {p: _turn_state(plain, p)[0] for p in PROMPTS[1:]}
+        chunks0 = h.steps.stats["burst_chunks"]
+        got, errors = together(h, PROMPTS[1:], n=8)
+        assert not errors and got == want
+        assert h.prefix.stats["hits"] == len(PROMPTS) - 1 and h.steps.stats["burst_chunks"] - chunks0 >= 2
+        keys = {k[1] for k in h.prefix.entries}
+        ids = [tuple(h.lm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                        add_generation_prompt=True))[:-1] for p in PROMPTS]
+        assert set(ids) <= keys  # every prompt kept, the burst's copied out of the rows
+        for k, (_, layers) in h.prefix.entries.items():  # each entry its own copy, its prompt's length
+            assert all(x.shape[2] == len(k[1]) for pair in layers for x in pair)
+        # an entry kept from the rows holds what prefilling that prompt alone gives
+        s = plain.create_session(sampling=greedy(1))
+        [e for e in s.send(PROMPTS[2])]
+        solo_k = np.array(s.cache[3].state[0])[..., :len(ids[2]), :]
+        plain.close_session(s.id)
+        kept_k = np.array(h.prefix.entries[("", ids[2])][1][3][0])
+        assert np.allclose(kept_k, solo_k, rtol=1e-5, atol=1e-5)
+    finally:
+        h.close()
         plain.close()
 
 

@@ -14,6 +14,7 @@
 #   serve-run-on  bench serve at 64 sessions with KVFERRY_RUN_ON=1 then 0 (docs/sessions.md)
 #   newcomers   bench serve at 64 sessions with the host's step trace kept, and its steps
 #               that took prompts listed (the first token of a burst, docs/performance.md)
+#   serve-burst bench serve at 32 / 64 sessions with KVFERRY_BURST=1 0 1 0 (kvferry.burst)
 #
 # Every bench has its own timeout (SECONDS_<SET>, default below): a cut bench leaves
 # its error file and the next set still runs. Six files at most a set, so a device
@@ -45,6 +46,18 @@ keys = ("context", "mode", "downtime_ms", "downtime_ms_reps", "handoff_gap_ms", 
         "tpot_ms_p50", "tpot_ms_p99", "ratio", "steps")
 for r in d.get("rows", d.get("points", [d])):
     print("  ", {k: r[k] for k in keys if k in r})
+PY
+}
+
+prompt_steps() {  # trace files...: the steps that took prompts, and how long each ran
+  python3 - "$@" <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    steps = [json.loads(line) for line in open(path)]
+    for i, s in enumerate(steps):
+        if s["prompts"]:
+            print(f"   step {i}: {len(s['rows'])} rows, {len(s['prompts'])} prompts "
+                  f"({sum(n for _, n in s['prompts'])} tokens), forward {s['forward_ms']} ms, join {s['join_ms']} ms")
 PY
 }
 
@@ -92,18 +105,15 @@ for set in "$@"; do
       KVFERRY_STEP_TRACE="$out/trace" bench newcomers "${SECONDS_SERVE:-280}" serve --sessions 64 --tokens 64 \
           --long-prompt 0
       summary newcomers
-      python3 - "$out"/trace/steps-*.jsonl <<'PY'
-import json, sys
-for path in sys.argv[1:]:
-    steps = [json.loads(line) for line in open(path)]
-    for i, s in enumerate(steps):
-        if s["prompts"]:
-            print(f"   step {i}: {len(s['rows'])} rows, {len(s['prompts'])} prompts "
-                  f"({sum(n for _, n in s['prompts'])} tokens), forward {s['forward_ms']} ms, join {s['join_ms']} ms")
-PY
-      ;;
+      prompt_steps "$out"/trace/steps-*.jsonl ;;
+    serve-burst)  # short prompts prefilled as one batch into the shared rows (kvferry.burst), on then off, twice
+      for b in 1 0 1 0; do
+        KVFERRY_BURST=$b bench "serve_burst_$b" "${SECONDS_SERVE:-280}" serve --sessions 32 64 --tokens 64 \
+            --long-prompt 0 --trace-steps
+        summary "serve_burst_$b"
+      done ;;
     *)
-      echo "unknown set '$set' (handoff, migrate, migrate-1b, serve, overhead, serve-run-on, newcomers)" >&2
+      echo "unknown set '$set' (handoff, migrate, migrate-1b, serve, overhead, serve-run-on, newcomers, serve-burst)" >&2
       exit 2 ;;
   esac
 done

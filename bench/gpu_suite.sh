@@ -14,7 +14,7 @@
 #   serve-run-on  bench serve at 64 sessions with KVFERRY_RUN_ON=1 then 0 (docs/sessions.md)
 #   newcomers   bench serve at 64 sessions with the host's step trace kept, and its steps
 #               that took prompts listed (the first token of a burst, docs/performance.md)
-#   serve-burst bench serve at 32 / 64 sessions with KVFERRY_BURST=1 0 1 0 (kvferry.burst)
+#   serve-burst bench serve at 32 / 64 sessions with KVFERRY_BURST=1 then 0 (BURST_ORDER; kvferry.burst)
 #
 # Every bench has its own timeout (SECONDS_<SET>, default below): a cut bench leaves
 # its error file and the next set still runs. Six files at most a set, so a device
@@ -106,8 +106,8 @@ for set in "$@"; do
           --long-prompt 0
       summary newcomers
       prompt_steps "$out"/trace/steps-*.jsonl ;;
-    serve-burst)  # short prompts prefilled as one batch into the shared rows (kvferry.burst), on then off, twice
-      for b in 1 0 1 0; do
+    serve-burst)  # short prompts prefilled as one batch into the shared rows (kvferry.burst), on then off
+      for b in ${BURST_ORDER:-1 0}; do
         KVFERRY_BURST=$b bench "serve_burst_$b" "${SECONDS_SERVE:-280}" serve --sessions 32 64 --tokens 64 \
             --long-prompt 0 --trace-steps
         summary "serve_burst_$b"

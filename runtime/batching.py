@@ -370,16 +370,6 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
                 self._last = time.monotonic()
         self._fail(list(self.prefills) + list(self.decodes), SessionError("this host is shutting down"))
 
-    def _keep(self, sessions: list) -> None:
-        """New sessions' whole prompts into the prefix cache; those in the shared rows
-        copied out together (kvferry.burst.copies: one gather a layer, not a copy a layer each)."""
-        if not sessions or not self.host.prefix.budget:
-            return
-        rows = [s for s in sessions if self.shared is not None and self.shared.resident(s)] if self.bursting else []
-        copied = burst.copies(self.shared, rows) if len(rows) > 1 else {}
-        for s in sessions:
-            self.host.prefix.keep(s, copied.get(s))
-
     def _settle(self, reqs: list) -> None:
         """After a step failed (or its guess): what it built before it failed (the K/V
         of the layers it reached) is lazy on this thread's stream, in the shared buffers

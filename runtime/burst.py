@@ -27,6 +27,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from .prefix_cache import Stacked
+
 SHORT = 64  # prompt tokens a chunk has at most to go in a burst (padding grows with the longest)
 
 
@@ -105,17 +107,20 @@ def prefill(rows: Any, model: Any, chunks: list[tuple[Any, list[int]]]) -> list:
 
 
 def copies(rows: Any, sessions: list) -> dict:
-    """Per session, its row's KV up to its offset as per-layer (keys, values), copied
-    out of the buffers in one gather per layer for all of them (what the prefix cache keeps)."""
+    """Per session, its row's KV up to its offset, copied out of the buffers as a
+    :class:`kvferry.prefix_cache.Stacked` of its own (what the prefix cache keeps):
+    a gather a layer for all of them, then two takes each, not a copy a layer each."""
     idx = mx.array([s.cache[0]._row for s in sessions], dtype=mx.int32)
     longest = max(s.cache[0].offset for s in sessions)
-    out = {s: [] for s in sessions}
-    for j in range(len(rows.k)):
-        # a gather (never a slice: a view) is a copy, so an entry shares nothing the rows will write to
-        k, v = rows.k[j][:, :, :longest][idx], rows.v[j][:, :, :longest][idx]
-        for i, s in enumerate(sessions):
-            n = s.cache[j].offset
-            out[s].append((k[i:i + 1, :, :n, :], v[i:i + 1, :, :n, :]))
+    # [layers, sessions, heads, longest, dim]: gathers, so nothing here is a view of the rows
+    k = mx.stack([b[:, :, :longest][idx] for b in rows.k])
+    v = mx.stack([b[:, :, :longest][idx] for b in rows.v])
+    out = {}
+    for i, s in enumerate(sessions):
+        n = s.cache[0].offset
+        at = mx.array([i], dtype=mx.int32)
+        # a take is a copy: each entry holds a buffer of its own, freed when it goes
+        out[s] = Stacked(mx.take(k, at, axis=1), mx.take(v, at, axis=1), n)
     return out
 
 

@@ -26,6 +26,36 @@ import numpy as np
 MIN_TOKENS = 16  # a shorter shared prefix is not worth its copy
 
 
+class Stacked:
+    """A kept prompt's KV with every layer in one array per side, ``[layers, 1,
+    kv_heads, tokens, head_dim]``, of which the first ``n`` tokens count: a copy of
+    its own (kvferry.burst.copies makes one for each prompt of a burst with two
+    operations, not two a layer). Reads as the per-layer list of (keys, values)
+    that entries are; its size is what it holds, the padding included."""
+
+    def __init__(self, k: Any, v: Any, n: int) -> None:
+        self.k, self.v, self.n = k, v, n
+
+    def __len__(self) -> int:
+        return self.k.shape[0]
+
+    def __getitem__(self, j: int) -> tuple:
+        return self.k[j][..., :self.n, :], self.v[j][..., :self.n, :]
+
+    def __iter__(self):
+        return (self[j] for j in range(len(self)))
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def _nbytes(layers: Any) -> int:
+    if isinstance(layers, Stacked):
+        return layers.nbytes
+    return sum(k.nbytes + v.nbytes for k, v in layers)
+
+
 def _common(a: np.ndarray, b: np.ndarray) -> int:
     m = min(len(a), len(b))
     diff = np.flatnonzero(a[:m] != b[:m])
@@ -83,10 +113,9 @@ class PrefixCache:
         mx.eval([x for c in session.cache for x in (c.keys, c.values)])
         return best
 
-    def keep(self, session: Any, layers: list | None = None) -> None:
+    def keep(self, session: Any, layers: "Stacked | None" = None) -> None:
         """Remember ``session``'s whole history (a fresh session's prompt, just
-        prefilled) and its KV, copied (``layers``: per layer (keys, values), a copy
-        made already)."""
+        prefilled) and its KV, copied (``layers``: a copy made already)."""
         import mlx.core as mx
 
         n = len(session.history)
@@ -106,10 +135,10 @@ class PrefixCache:
         # entry shares nothing the session will write to
         if layers is None:
             layers = [(mx.contiguous(c.keys[..., :n, :]), mx.contiguous(c.values[..., :n, :])) for c in session.cache]
-        size = sum(k.nbytes + v.nbytes for k, v in layers)
+        size = _nbytes(layers)
         if size > self.budget:
             return
-        mx.eval(layers)
+        mx.eval([layers.k, layers.v] if isinstance(layers, Stacked) else layers)
         for old, old_ids in mine:
             if len(old_ids) < n and _common(old_ids, ids) == len(old_ids):
                 self._drop(old)  # the new entry covers it
@@ -120,7 +149,7 @@ class PrefixCache:
 
     def _drop(self, key: tuple) -> None:
         _, layers = self.entries.pop(key)
-        self.bytes -= sum(k.nbytes + v.nbytes for k, v in layers)
+        self.bytes -= _nbytes(layers)
 
     def clear(self) -> None:
         self.entries.clear()

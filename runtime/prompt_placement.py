@@ -2,7 +2,8 @@
 
 A prompt reaches the step loop as a request of many tokens. Before a step runs,
 a new session's first prompt starts from the longest prefix this host has kept
-(:mod:`kvferry.prefix_cache`); a long prompt arriving beside running decodes goes
+(:mod:`kvferry.prefix_cache`; where its rest goes in a burst, :mod:`kvferry.burst`,
+straight into its row of the shared buffers); a long prompt arriving beside running decodes goes
 to the prefill thread (:mod:`kvferry.prefill_thread`) with a private copy of its
 caches; and what is left is cut into this step's chunks (vLLM's chunked prefill):
 with nobody decoding, up to ``ALONE_TOKENS``; beside decodes, a token budget steered
@@ -25,7 +26,7 @@ NEWCOMER_TOKENS = 512  # short prompts a step takes whole beside decodes, in all
 class PromptPlacement:
     """Prefix reuse, offload to the prefill thread and the chunk plan of a step's prompts.
     Reads the scheduler's ``host``, ``cv``, ``prefills``/``decodes``, ``prefiller``,
-    ``packed``, ``step_tokens``, ``budget`` and ``_late``."""
+    ``packed``, ``shared``, ``bursting``, ``stats``, ``step_tokens``, ``budget`` and ``_late``."""
 
     def _plan(self, rows: list, prompts: list[Any]) -> list[tuple[Any, list[int]]]:
         """The prompt chunks of this step, first come first served. With nobody
@@ -85,7 +86,8 @@ class PromptPlacement:
             if groups:
                 model = self.host.lm.model
                 for layers, n, reqs in groups.values():
-                    joined = set(burst.admit(self.shared, model, self.host.lm.dtype, [r.session for r in reqs], self.stats))
+                    sessions = [r.session for r in reqs]
+                    joined = set(burst.admit(self.shared, model, self.host.lm.dtype, sessions, self.stats))
                     burst.write_prefix(self.shared, [r.session for r in reqs if r.session in joined], layers, n)
                     for r in reqs:
                         if r.session in joined:
@@ -94,6 +96,16 @@ class PromptPlacement:
                             self._reused(r, prefix.fill_from(r.session, layers, n))
                 # evaluated here, under the lock: another thread may read these rows before the step
                 mx.eval(self.shared.k + self.shared.v)
+
+    def _keep(self, sessions: list) -> None:
+        """New sessions' whole prompts into the prefix cache; those in the shared rows
+        copied out together (kvferry.burst.copies: one gather a layer, not a copy a layer each)."""
+        if not sessions or not self.host.prefix.budget:
+            return
+        rows = [s for s in sessions if self.shared is not None and self.shared.resident(s)] if self.bursting else []
+        copied = burst.copies(self.shared, rows) if len(rows) > 1 else {}
+        for s in sessions:
+            self.host.prefix.keep(s, copied.get(s))
 
     def _reused(self, r: Any, n: int) -> None:
         """``r``'s first ``n`` prompt tokens are in its cache now: the rest is its own part."""

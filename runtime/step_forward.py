@@ -74,7 +74,8 @@ class StepForward:
         out = []
         bursting = [(r, c) for r, c in plan if self._bursts(r, c)] if self.bursting else []
         if len(bursting) > 1:
-            joined = set(burst.admit(self.shared, model, self.host.lm.dtype, [r.session for r, _ in bursting], self.stats))
+            sessions = [r.session for r, _ in bursting]
+            joined = set(burst.admit(self.shared, model, self.host.lm.dtype, sessions, self.stats))
             bursting = [(r, c) for r, c in bursting if r.session in joined]
         if len(bursting) > 1:
             self.stats["burst_steps"] += 1

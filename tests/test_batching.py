@@ -23,7 +23,8 @@ def greedy(n):
 
 
 @pytest.fixture(scope="module", params=[(False, False, False, False), (True, False, False, False),
-                                        (True, True, False, False), (True, True, True, False), (True, True, True, True)],
+                                        (True, True, False, False), (True, True, True, False),
+                                        (True, True, True, True)],
                 ids=["per-session-kv", "shared-kv", "shared-kv-step-guests", "shared-kv-step-guests-run-on",
                      "gpu-layout"])
 def host(smollm, request):

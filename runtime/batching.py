@@ -10,7 +10,7 @@ leaves a running batch without stopping it.
 Prompts are prefilled in chunks next to the decode batch under a per-step token
 budget (vLLM's chunked prefill): a long prompt arriving costs the running
 sessions a bounded share of each step, never a stall. Short new prompts join
-whole, several in one pass.
+whole, several in one pass (on a GPU, as one batch into the shared rows: :mod:`kvferry.burst`).
 
 The guests keep the control plane and ABI v1 is unchanged. Either a guest runs
 on its session's thread, its ``kv_decode`` handing its token to this scheduler

@@ -31,6 +31,7 @@ from typing import Any
 import mlx.core as mx
 
 from .prefix_cache import Stacked
+from .resident import StepLayer
 
 SHORT = 64  # prompt tokens a chunk has at most to go in a burst (padding grows with the longest)
 
@@ -135,12 +136,11 @@ def _rows_index(at: list[int]) -> Any:
 
 
 class _Burst:
-    """What every layer of one burst shares (index arrays, the mask)."""
+    """What every layer of one burst shares (index arrays, the mask; ``offset`` for RoPE)."""
 
     def __init__(self, at: list[int], offsets: list[int], sizes: list[int], heads: int) -> None:
         width = max(sizes)
         self.rows = _rows_index(at)
-        self.gather = not isinstance(self.rows, slice)
         self.offset = mx.array(offsets, dtype=mx.int32)  # RoPE: each row's own positions
         pos = self.offset[:, None] + mx.arange(width, dtype=mx.int32)[None, :]  # (rows, width)
         self.r_idx = mx.array(at, dtype=mx.int32)[:, None, None]
@@ -151,27 +151,18 @@ class _Burst:
         self.mask = (mx.arange(self.length, dtype=mx.int32)[None, None, :] <= pos[:, :, None])[:, None]
 
 
-class BurstLayer:
-    """One layer of a burst, as the model sees its cache (as kvferry.resident.StepLayer)."""
-
-    def __init__(self, rows: Any, layer: int, burst: _Burst) -> None:
-        self.rows, self.layer, self.b = rows, layer, burst
-
-    @property
-    def offset(self):
-        return self.b.offset
+class BurstLayer(StepLayer):
+    """One layer of a burst, as the model sees its cache: a resident decode step's
+    layer (kvferry.resident.StepLayer) whose rows take several tokens each."""
 
     def update_and_fetch(self, keys, values):
-        b, j = self.b, self.layer
+        b, j = self.s, self.layer
         self.rows.k[j][b.r_idx, b.h_idx, b.t_idx] = keys
         self.rows.v[j][b.r_idx, b.h_idx, b.t_idx] = values
         return keys, values  # placeholders: attention() reads the buffers
 
-    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False):
-        return None  # attention() masks each row at its own positions
-
     def attention(self, queries, scale: float, sinks=None):
-        b, j = self.b, self.layer
+        b, j = self.s, self.layer
         n = b.length
         k, v = self.rows.k[j][b.rows, :, :n], self.rows.v[j][b.rows, :, :n]
         kw = {"sinks": sinks} if sinks is not None else {}

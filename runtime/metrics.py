@@ -67,6 +67,9 @@ class _HostGauges:
             ("kvferry_gc_frozen_objects", "Start-up objects the garbage collector skips (kvferry.collector)",
              gc.get_freeze_count()),
         ]
+        if h.steps.bursting:  # kvferry.burst (a GPU host)
+            values.append(("kvferry_burst_prompts", "Short prompt chunks prefilled as one batch into the shared rows "
+                           "(a counter)", h.steps.stats["burst_chunks"]))
         if h.steps.prefiller is not None:  # serve --prefill-thread
             values.append(("kvferry_prefill_thread_tokens", "Prompt tokens prefilled on the prefill thread, "
                            "beside the decode steps (a counter)", h.steps.prefiller.stats["tokens"]))

@@ -219,9 +219,21 @@ def test_a_burst_of_new_sessions_starts_from_a_kept_prefix_in_the_shared_rows(sm
         assert first[:2] == _turn_state(plain, PROMPTS[0])[:2]
         want = {p: _turn_state(plain, p)[0] for p in PROMPTS[1:]}
         chunks0 = h.steps.stats["burst_chunks"]
+        runner = h.create_session(sampling=greedy(24))  # decoding while the burst comes in
+        first_tokens = iter(runner.send(PROMPTS[0]))
+        ran = [next(first_tokens).token for _ in range(2)]
         got, errors = together(h, PROMPTS[1:], n=8)
+        ran += [e.token for e in first_tokens if e.token >= 0]
+        h.close_session(runner.id)
         assert not errors and got == want
-        assert h.prefix.stats["hits"] == len(PROMPTS) - 1 and h.steps.stats["burst_chunks"] - chunks0 >= 2
+        s = plain.create_session(sampling=greedy(24))
+        assert ran == [e.token for e in s.send(PROMPTS[0]) if e.token >= 0]  # the bystander's tokens unchanged
+        plain.close_session(s.id)
+        assert h.prefix.stats["hits"] == len(PROMPTS) and h.steps.stats["burst_chunks"] - chunks0 >= 2  # (the runner too)
+        from prometheus_client import generate_latest
+
+        assert f"kvferry_burst_prompts {float(h.steps.stats['burst_chunks'])}" in generate_latest(
+            h.metrics.registry).decode()
         keys = {k[1] for k in h.prefix.entries}
         ids = [tuple(h.lm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                         add_generation_prompt=True))[:-1] for p in PROMPTS]

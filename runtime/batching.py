@@ -230,6 +230,13 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
         for r in reqs:
             r.done.set()
 
+    def expect_soon(self, sessions: list) -> None:
+        """``sessions`` send their requests within a gather window from now: the next
+        step waits for them as for its decoders (so their prompts go in together)."""
+        with self.cv:
+            self.expect |= set(sessions)
+            self._last = time.monotonic()
+
     def leave(self, session: Any) -> None:
         """``session`` has no token coming this step (its turn ended or paused)."""
         self.guesses.pop(session, None)  # nor the guessed one: drop it (and the cache it holds)

@@ -151,18 +151,20 @@ class ModelHost:
     def warm(self) -> None:
         """Three short guest-driven replies at once through the step scheduler (solo
         and batched decode steps, with rows in order and with a gap once the first
-        reply ends, and prompt chunks): on a GPU the kernels of these paths compile
+        reply ends, and prompt chunks, as a burst where the host bursts): on a GPU the kernels of these paths compile
         on first use (MLX caches them on disk). A session migrating in mid-reply
         would pay for that in its pause (60-90 ms measured on an H200), and the first
         batch of shared KV rows in its first steps (~3 minutes on a fresh H200)."""
-        def reply(n: int) -> None:
-            s = self.create_session(None, SamplingParams(max_tokens=n, ignore_eos=True))
+        sessions = [self.create_session(None, SamplingParams(max_tokens=n, ignore_eos=True)) for n in (4, 8, 8)]
+        self.steps.expect_soon(sessions)  # the prompts together: one burst where the host bursts (kvferry.burst)
+
+        def reply(s: Session) -> None:
             try:
                 for _ in s.send("hi"):
                     pass
             finally:
                 self.close_session(s.id)
-        threads = [threading.Thread(target=reply, args=(n,)) for n in (4, 8, 8)]
+        threads = [threading.Thread(target=reply, args=(s,)) for s in sessions]
         for t in threads:
             t.start()
         for t in threads:

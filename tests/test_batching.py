@@ -252,6 +252,20 @@ def test_a_burst_of_new_sessions_starts_from_a_kept_prefix_in_the_shared_rows(sm
         plain.close()
 
 
+def test_a_bursting_host_warms_its_burst_path(smollm, monkeypatch):
+    """A GPU host compiles its kernels at start (ModelHost.warm): its warm-up
+    prompts go in together, as a burst, so a fresh machine's first burst of users
+    does not wait for that compilation."""
+    monkeypatch.setenv("KVFERRY_BURST", "1")
+    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(drive_guests=True))
+    try:
+        h.warm()
+        assert h.steps.stats["burst_steps"] >= 1 and h.steps.stats["burst_chunks"] >= 2
+        assert not h.sessions and not h.admission.running
+    finally:
+        h.close()
+
+
 def test_kept_prefixes_stay_under_their_budget(smollm):
     h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(prefix_cache_bytes=4_000_000))
     try:

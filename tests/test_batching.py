@@ -252,6 +252,44 @@ def test_a_burst_of_new_sessions_starts_from_a_kept_prefix_in_the_shared_rows(sm
         plain.close()
 
 
+def test_later_turns_of_chats_go_on_together_in_bursts(smollm, monkeypatch):
+    """Three chats whose second turns arrive together: those prompts (sessions with
+    KV of their own, joining the shared rows again) go in as a burst too, with the
+    same tokens as the same turns one after another on a host without bursts or reuse."""
+    monkeypatch.setenv("KVFERRY_BURST", "1")
+    h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(drive_guests=True))
+    monkeypatch.setenv("KVFERRY_BURST", "0")
+    plain = ModelHost(lm=smollm, progress=False, policy=HostPolicy(prefix_cache_bytes=0))
+    turns = [PROMPTS[:3], ["And lakes?", "Why?", "Now three animals, please."]]
+
+    def chats(host, at_once):
+        sessions = [host.create_session(sampling=greedy(6)) for _ in range(3)]
+        out = {}
+
+        def one(i, prompt):
+            out[i, prompt] = [e.token for e in sessions[i].send(prompt) if e.token >= 0]
+        for prompts in turns:
+            if at_once:
+                ts = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join(300)
+            else:
+                for i, p in enumerate(prompts):
+                    one(i, p)
+        for s in sessions:
+            host.close_session(s.id)
+        return out
+    try:
+        got = chats(h, True)
+        assert h.steps.stats["burst_chunks"] >= 2
+        assert got == chats(plain, False) and len(got) == 6
+    finally:
+        h.close()
+        plain.close()
+
+
 def test_a_bursting_host_warms_its_burst_path(smollm, monkeypatch):
     """A GPU host compiles its kernels at start (ModelHost.warm): its warm-up
     prompts go in together, as a burst, so a fresh machine's first burst of users

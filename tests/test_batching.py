@@ -229,7 +229,8 @@ def test_a_burst_of_new_sessions_starts_from_a_kept_prefix_in_the_shared_rows(sm
         s = plain.create_session(sampling=greedy(24))
         assert ran == [e.token for e in s.send(PROMPTS[0]) if e.token >= 0]  # the bystander's tokens unchanged
         plain.close_session(s.id)
-        assert h.prefix.stats["hits"] == len(PROMPTS) and h.steps.stats["burst_chunks"] - chunks0 >= 2  # (the runner too)
+        # every newcomer started from the kept prefix (the runner too), several in one burst
+        assert h.prefix.stats["hits"] == len(PROMPTS) and h.steps.stats["burst_chunks"] - chunks0 >= 2
         from prometheus_client import generate_latest
 
         assert f"kvferry_burst_prompts {float(h.steps.stats['burst_chunks'])}" in generate_latest(

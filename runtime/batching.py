@@ -103,9 +103,6 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
                  drive: bool = False, prefill_thread: bool = False) -> None:
         self.host = host
         self.drive = drive  # decode steps run the guests on this thread (guest_step)
-        # A step with decode rows and prompt chunks: one pass over both (the weights read
-        # once: a CPU's bound), or two (GPU: the decode rows keep their batched attention).
-        self.split = split_prefill
         self.speculate = speculate
         # greedy guests answered from the step's device top-1 (kvferry.top1) where reading
         # the logits on the host costs a move out of device memory; on a CPU numpy reads
@@ -127,6 +124,10 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
             self.shared = resident.ResidentRows()
         # short prompts as one batch into the shared rows (kvferry.burst): where a step's ops cost most
         self.bursting = self.shared is not None and burst.enabled(split_prefill)
+        # A step with decode rows and prompt chunks: one pass over both (the weights read
+        # once: a CPU's bound), or two (GPU: the decode rows keep their batched attention;
+        # a burst goes in a pass of its own)
+        self.split = split_prefill or self.bursting
         self.departing: dict = {}  # resident session -> its caches, to leave the buffers at the next step
         self.cv = threading.Condition()
         self.decodes: deque[_Request] = deque()

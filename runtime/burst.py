@@ -50,26 +50,16 @@ def fits(rows: Any, session: Any, dtype: str) -> bool:
     return session.cache[0].keys is not None or not rows.k or rows.k[0].dtype == getattr(mx, dtype)
 
 
-def open_rows(rows: Any, model: Any, dtype: str) -> None:
-    """Give empty shared buffers the model's shapes (a burst on an idle host has no
-    session's KV to take them from) in ``dtype``, the KV's."""
-    if rows.k:
-        return
-    layers = model.layers
-    attn = layers[0].self_attn
-    heads, dim = attn.n_kv_heads, attn.head_dim
-    kind = getattr(mx, dtype)
-    rows.k = [mx.zeros((0, heads, 0, dim), kind) for _ in layers]
-    rows.v = [mx.zeros((0, heads, 0, dim), kind) for _ in layers]
-    rows.owner, rows.tokens = [], 0
-
-
 def admit(rows: Any, model: Any, dtype: str, sessions: list, stats: dict) -> list:
     """Make those of ``sessions`` resident that can be (rows for the new ones, counted in
-    ``stats``' resident_joins); return them. ``dtype``: the host's KV dtype, for buffers
-    that no session's KV gives one to."""
-    held = next((c.keys.dtype for s in sessions for c in s.cache[:1] if c.keys is not None), None)
-    open_rows(rows, model, str(held).rsplit(".", 1)[-1] if held is not None else dtype)
+    ``stats``' resident_joins); return them. Empty buffers get the model's shapes (a
+    burst on an idle host has no session's KV to take them from), in the dtype of the
+    first session's KV, else ``dtype``, the host's."""
+    if not rows.k:
+        attn = model.layers[0].self_attn
+        held = next((c.keys.dtype for s in sessions for c in s.cache[:1] if c.keys is not None), None)
+        shape = (attn.n_kv_heads, attn.head_dim)
+        rows.open(len(model.layers), shape, shape, held if held is not None else getattr(mx, dtype))
     for s in sessions:
         if rows.can_join(s) and not rows.resident(s):
             rows.join(s)

@@ -129,6 +129,13 @@ class ResidentRows:
                 bufs[j] = mx.concatenate([b, mx.zeros((r, h, new - t, d), b.dtype)], axis=2)
         self.tokens = new
 
+    def open(self, layers: int, keys: tuple, values: tuple, dtype: Any) -> None:
+        """Empty buffers of ``layers`` layers whose rows hold keys and values of
+        ``(kv_heads, head_dim)`` each, in ``dtype``."""
+        self.k = [mx.zeros((0, keys[0], 0, keys[1]), dtype) for _ in range(layers)]
+        self.v = [mx.zeros((0, values[0], 0, values[1]), dtype) for _ in range(layers)]
+        self.owner, self.tokens = [], 0
+
     def _free_row(self) -> int:
         if None in self.owner:
             return self.owner.index(None)
@@ -155,11 +162,7 @@ class ResidentRows:
             ref = next((c for c in caches if c.keys is not None), None)
             if ref is None:
                 return  # nothing to take the shapes from yet: it joins after its first token
-            _, h, _, d = ref.keys.shape
-            _, hv, _, dv = ref.values.shape
-            self.k = [mx.zeros((0, h, 0, d), ref.keys.dtype) for _ in caches]
-            self.v = [mx.zeros((0, hv, 0, dv), ref.values.dtype) for _ in caches]
-            self.owner, self.tokens = [], 0
+            self.open(len(caches), ref.keys.shape[1::2], ref.values.shape[1::2], ref.keys.dtype)
         for i, o in enumerate(self.owner):
             if o is session:  # a row its earlier caches held (they were reset since)
                 self.owner[i] = None

@@ -26,7 +26,7 @@ class StepForward:
         import mlx.core as mx
 
         model = self.host.lm.model
-        if self.packed and rows and plan and not (self.split or self.bursting):  # (a burst goes in a pass of its own)
+        if self.packed and rows and plan and not self.split:
             return self._forward_packed(rows, plan)
         out, logits = [], []
         resident = False
@@ -81,7 +81,8 @@ class StepForward:
             self.stats["burst_steps"] += 1
             self.stats["burst_chunks"] += len(bursting)
             out.extend(burst.prefill(self.shared, model, [(r.session, c) for r, c in bursting]))
-            plan = [(r, c) for r, c in plan if not any(r is b for b, _ in bursting)]
+            went = {id(r) for r, _ in bursting}
+            plan = [(r, c) for r, c in plan if id(r) not in went]
         body = getattr(model, "model", None) if self.packed else None  # no vocabulary projection
         if body is not None and len(plan) > 1:
             tokens = [t for _, chunk in plan for t in chunk]

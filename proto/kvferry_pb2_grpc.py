@@ -647,3 +647,161 @@ class Migration:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class EgressStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Open = channel.unary_stream(
+                '/kvferry.v1.Egress/Open',
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.EgressOpen.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.EgressBatch.FromString,
+                _registered_method=True)
+        self.Start = channel.unary_unary(
+                '/kvferry.v1.Egress/Start',
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.EgressStart.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/kvferry.v1.Egress/Cancel',
+                request_serializer=kvferry_dot_proto_dot_kvferry__pb2.EgressCancel.SerializeToString,
+                response_deserializer=kvferry_dot_proto_dot_kvferry__pb2.Empty.FromString,
+                _registered_method=True)
+
+
+class EgressServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Open(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Start(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Cancel(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EgressServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Open': grpc.unary_stream_rpc_method_handler(
+                    servicer.Open,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.EgressOpen.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.EgressBatch.SerializeToString,
+            ),
+            'Start': grpc.unary_unary_rpc_method_handler(
+                    servicer.Start,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.EgressStart.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.Empty.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=kvferry_dot_proto_dot_kvferry__pb2.EgressCancel.FromString,
+                    response_serializer=kvferry_dot_proto_dot_kvferry__pb2.Empty.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvferry.v1.Egress', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvferry.v1.Egress', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Egress:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Open(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvferry.v1.Egress/Open',
+            kvferry_dot_proto_dot_kvferry__pb2.EgressOpen.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.EgressBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Start(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.Egress/Start',
+            kvferry_dot_proto_dot_kvferry__pb2.EgressStart.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvferry.v1.Egress/Cancel',
+            kvferry_dot_proto_dot_kvferry__pb2.EgressCancel.SerializeToString,
+            kvferry_dot_proto_dot_kvferry__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -15,8 +15,6 @@
 #   newcomers   bench serve at 64 sessions with the host's step trace kept, and its steps
 #               that took prompts listed (the first token of a burst, docs/performance.md)
 #   serve-burst bench serve at 32 / 64 sessions with KVFERRY_BURST=1 then 0 (BURST_ORDER; kvferry.burst)
-#   serve-front bench serve at 32 / 64 sessions with serve --stream-front then without (FRONT_ORDER;
-#               kvferry.stream_front)
 #
 # Every bench has its own timeout (SECONDS_<SET>, default below): a cut bench leaves
 # its error file and the next set still runs. Six files at most a set, so a device
@@ -114,15 +112,8 @@ for set in "$@"; do
             --long-prompt 0 --trace-steps
         summary "serve_burst_$b"
       done ;;
-    serve-front)  # reply streams from a process of their own (kvferry.stream_front), on then off
-      for f in ${FRONT_ORDER:-1 0}; do
-        bench "serve_front_$f" "${SECONDS_SERVE:-280}" serve --sessions 32 64 --tokens 64 --long-prompt 0 \
-            --trace-steps $([ "$f" = 1 ] && echo --stream-front)
-        summary "serve_front_$f"
-      done ;;
     *)
-      echo "unknown set '$set' (handoff, migrate, migrate-1b, serve, overhead, serve-run-on, newcomers, serve-burst," \
-           "serve-front)" >&2
+      echo "unknown set '$set' (handoff, migrate, migrate-1b, serve, overhead, serve-run-on, newcomers, serve-burst)" >&2
       exit 2 ;;
   esac
 done

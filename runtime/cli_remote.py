@@ -115,7 +115,7 @@ def cmd_serve(a) -> int:
           max_kv_bytes=int(a.max_kv_mb * 1e6) if a.max_kv_mb else None, advertise=a.advertise,
           peers=peers, drain_dir=a.drain_dir or "", drain_timeout=a.drain_timeout, tokens_file=a.tokens,
           policy=policy, http_port=a.http_port, metrics_public=a.metrics_public, log_format=a.log_format,
-          dtype=a.dtype, lane_port=None if a.lane_port < 0 else a.lane_port, stream_front=a.stream_front)
+          dtype=a.dtype, lane_port=None if a.lane_port < 0 else a.lane_port)
     return 0
 
 
@@ -286,10 +286,6 @@ def register(sub, add: Callable) -> None:
                     f"message, at most (default {HostPolicy.stream_interval}: each token at once; the first "
                     "always alone). More cost the host less per token under load, at a coarser stream; "
                     "like vLLM's --stream-interval")
-    sv.add_argument("--stream-front", action="store_true",
-                    help="serve reply streams from a process of their own on a port of their own (the SDK finds "
-                         "it), so that sending tokens does not take the model's steps' GIL; like vLLM's API "
-                         "server apart from its engine")
     sv.add_argument("--no-auth", action="store_true", help="no token (loopback addresses only)")
     sv.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS or an embedded Ray)")
     sv.add_argument("--threads", type=int, help="CPU threads for the model's matrix products (like llama.cpp "

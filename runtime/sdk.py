@@ -46,7 +46,6 @@ class _Connection:
         self.tls = tls
         self.timeout = timeout
         self._channels: dict[str, Any] = {}
-        self._streams: dict[str, str] = {}  # host -> where its Send streams go (serve --stream-front)
 
     def _stub(self, address: str | None = None) -> pbg.SessionsStub:
         address = address or self.address
@@ -61,16 +60,6 @@ class _Connection:
 
 class Client(_Connection):
     """A connection to one session host (any host of a cluster can list the others)."""
-
-    def _sender(self, host: str) -> pbg.SessionsStub:
-        """Where a Send to ``host`` goes: its stream front if it has one (asked once)."""
-        if host not in self._streams:
-            try:
-                reply = self._stub(host).Health(pb.Empty(), metadata=self._meta(), timeout=self.timeout)
-            except grpc.RpcError:
-                return self._stub(host)  # the Send itself says what is wrong
-            self._streams[host] = reply.stream_address or host
-        return self._stub(self._streams[host])
 
     def _call(self, name: str, request: Any, address: str | None = None, **kw) -> Any:
         try:
@@ -151,7 +140,7 @@ class RemoteSession:
         c = self.client
         for _ in range(f.HOPS):
             try:
-                for message in c._sender(self.host).Send(f.request, metadata=c._meta(), timeout=c.timeout):
+                for message in c._stub(self.host).Send(f.request, metadata=c._meta(), timeout=c.timeout):
                     for chunk in expand(message):  # one a token, however many a message carries
                         if f.accept(chunk):
                             self.last = f.last
@@ -236,15 +225,6 @@ class AsyncClient(_Connection):
 
     AIO = True
 
-    async def _sender(self, host: str) -> pbg.SessionsStub:
-        if host not in self._streams:
-            try:
-                reply = await self._stub(host).Health(pb.Empty(), metadata=self._meta(), timeout=self.timeout)
-            except grpc.RpcError:
-                return self._stub(host)
-            self._streams[host] = reply.stream_address or host
-        return self._stub(self._streams[host])
-
     async def _call(self, name: str, request: Any, address: str | None = None, **kw) -> Any:
         try:
             return await getattr(self._stub(address), name)(
@@ -316,8 +296,7 @@ class AsyncRemoteSession:
         c = self.client
         for _ in range(f.HOPS):
             try:
-                sender = await c._sender(self.host)
-                async for message in sender.Send(f.request, metadata=c._meta(), timeout=c.timeout):
+                async for message in c._stub(self.host).Send(f.request, metadata=c._meta(), timeout=c.timeout):
                     for chunk in expand(message):  # one a token, however many a message carries
                         if f.accept(chunk):
                             self.last = f.last

@@ -27,7 +27,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from . import addresses
 from .checkpoint.snapshot import snapshot
 from .drain import DRAIN_TIMEOUT, Drainer
-from .egress import EgressHub
 from .errors import (ConfigError, ForbiddenError, GuestError, HostDrainingError, InternalError, KvferryError,
                      ModelMismatchError, SessionBusyError, UnknownSessionError)
 from .handoff_trace import mark
@@ -43,7 +42,6 @@ from .proto import kvferry_pb2 as pb
 from .proto import kvferry_pb2_grpc as pbg
 from .slots import Slot, TurnDriver, TurnFeed
 from .stream_chunks import coalesce
-from .stream_front import private_endpoint, spawn
 from .transport import AuthInterceptor, TLSConfig, abort, grpc_options, is_loopback
 
 JANITOR_S = 5.0  # s between sweeps of idle sessions, idle incoming migrations and old redirects
@@ -75,16 +73,13 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
                  tls: TLSConfig | None = None, client_tls: TLSConfig | None = None,
                  directory: Any = None, node: str | None = None, allow_no_auth: bool = False,
                  advertise: str | None = None, peers: tuple[str, ...] = (), drain_dir: str | None = None,
-                 drain_timeout: float = DRAIN_TIMEOUT, keys: Keyring | None = None, lane_port: int | None = 0,
-                 stream_front: bool = False):
+                 drain_timeout: float = DRAIN_TIMEOUT, keys: Keyring | None = None, lane_port: int | None = 0):
         """``advertise``: the HOST:PORT clients and peers dial (default: see
         kvferry.addresses); ``peers``: the hosts this one may hand sessions to;
         ``drain_dir``: where a drain saves what no peer takes ("": under
         $KVFERRY_HOME/drain/, per address; None: nowhere); ``lane_port``: where
         incoming migrations' KV frames may come on a socket of their own
-        (kvferry.migration_lane; 0: a free port; None: no lane, all on the stream);
-        ``stream_front``: serve Send streams from a process of their own too
-        (kvferry.stream_front)."""
+        (kvferry.migration_lane; 0: a free port; None: no lane, all on the stream)."""
         h, _, _ = bind.rpartition(":")
         if keys is None and token is not None:
             keys = Keyring({token: Key("admin", "admin")})
@@ -119,15 +114,7 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
                                     ("grpc.keepalive_permit_without_calls", 1)]
         self.server = grpc.server(self.executor, options=options, interceptors=[AuthInterceptor(keys, self.quota)],
                                   maximum_concurrent_rpcs=policy.max_concurrent_rpcs)
-        self.sessions = _Sessions(self)
-        pbg.add_SessionsServicer_to_server(self.sessions, self.server)
-        self.egress, self.front, self.stream_address = None, None, ""
-        if stream_front:
-            self.egress = EgressHub(self, self.sessions)
-            pbg.add_EgressServicer_to_server(self.egress, self.server)
-            self.front_engine, self.front_dir = private_endpoint()  # the front's way in, this user's only
-            if self.server.add_insecure_port(self.front_engine) == 0:
-                raise ConfigError(f"cannot listen on {self.front_engine} for the stream front")
+        pbg.add_SessionsServicer_to_server(_Sessions(self), self.server)
         MigrationTarget(self).add_to_server(self.server)
         # grpc.health.v1 for load balancers and probes (no token: it tells only the status)
         self.health = health.HealthServicer(experimental_non_blocking=True)
@@ -141,7 +128,6 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
         if advertise:
             addresses.split(advertise)  # HOST:PORT, or a one-line error
         self.address = advertise or addresses.advertise(h or "127.0.0.1", port, self.peers)
-        self.bind_host = h
         try:
             self.lane = None if lane_port is None else LaneListener(h, lane_port, tls)
         except OSError as e:
@@ -157,11 +143,6 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
 
     def start(self) -> "HostServer":
         self.server.start()
-        if self.egress is not None:
-            self.front = spawn(self.front_engine, self.front_dir, self.bind_host or "0.0.0.0", self.egress.key,
-                               self.tls, self.host.policy.max_concurrent_rpcs)
-            self.stream_address = addresses.join(addresses.split(self.address)[0], self.front.port)
-            log.info("stream front on %s", self.stream_address)
         self.restored = self.restore_drained()  # sessions a drain of this host saved
         self.set_serving(True)
         threading.Thread(target=self._janitor, daemon=True, name="kvferry-janitor").start()
@@ -191,10 +172,6 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
 
     def stop(self, grace: float = 1.0) -> None:
         self.health.enter_graceful_shutdown()
-        if self.front is not None:
-            self.front.stop()
-        if self.egress is not None:
-            self.egress.close()
         self.server.stop(grace).wait()
         if self.lane is not None:
             self.lane.close()
@@ -270,7 +247,7 @@ class _Sessions(pbg.SessionsServicer):
         return pb.HealthReply(status="ok", address=self.srv.address, model=h.lm.name,
                               fingerprint=h.lm.fingerprint, sessions=len(h.sessions),
                               version=__version__, node=self.srv.node, device=str(h.device),
-                              dtype=h.lm.dtype, weights=h.lm.weights, stream_address=self.srv.stream_address)
+                              dtype=h.lm.dtype, weights=h.lm.weights)
 
     @_guarded
     def CreateSession(self, r, context):

@@ -20,9 +20,6 @@ from .errors import (CODES, ERROR_KEY, AuthError, ForbiddenError, HostDownError,
 MAX_MESSAGE = (256 << 20) + (1 << 20)  # a checkpoint frame (checkpoint.frames.MAX_BODY) plus its envelope
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
 MIGRATION_SERVICE = "/kvferry.v1.Migration/"
-EGRESS_SERVICE = "/kvferry.v1.Egress/"  # a host's stream front (kvferry.egress)
-FRONT_KEYED = (EGRESS_SERVICE + "Open", EGRESS_SERVICE + "Cancel")  # the front's own key, checked there
-SELF_COUNTED = (EGRESS_SERVICE + "Start",)  # a relayed Send counts until its stream ends (kvferry.egress)
 
 
 def grpc_options() -> list[tuple[str, int]]:
@@ -137,8 +134,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if self.keys is None or handler is None or details.method.startswith(HEALTH_SERVICE) or \
-                details.method in FRONT_KEYED:
+        if self.keys is None or handler is None or details.method.startswith(HEALTH_SERVICE):
             return handler  # probes carry no token; the health service reveals only the status
         key = self.keys.lookup(dict(details.invocation_metadata).get("authorization", ""))
         migration = details.method.startswith(MIGRATION_SERVICE)
@@ -149,7 +145,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
                                    "only hosts (a peer key)")
         elif not migration and key.role == "peer":
             error = ForbiddenError(f"key '{key.name}' is a peer key: it may only migrate sessions between hosts")
-        elif self.quota is None or not self.quota.rationed(key) or details.method in SELF_COUNTED:
+        elif self.quota is None or not self.quota.rationed(key):
             return handler  # admins and peer hosts are not rationed
         else:
             try:

@@ -52,7 +52,7 @@ def guest_bytes(guest: str | os.PathLike | bytes | None) -> bytes:
 def read_health(r: pb.HealthReply) -> dict:
     return {"status": r.status, "address": r.address, "model": r.model, "sessions": r.sessions,
             "version": r.version, "node": r.node, "fingerprint": r.fingerprint, "device": r.device,
-            "dtype": r.dtype, "weights": r.weights, "stream_address": r.stream_address}
+            "dtype": r.dtype, "weights": r.weights}
 
 
 def read_hosts(r: pb.HostList) -> list[dict]:

@@ -255,10 +255,9 @@ def test_bench_serve_runs_and_reports_every_key(smollm_dir):
     r = kvferry("bench", "serve", "--json", "--sessions", "1", "2", "--tokens", "4", "--long-prompt", "200",
                 "--http", "--ttft-samples", "2", "--batch-kv", "shared", "--guest-thread", "step",
                 "--prefill-thread", "on", "--speculate", "on", "--prefix-cache-mb", "32", "--stream-interval", "2",
-                "--max-batch", "2", "--trace-steps", "--stream-front", timeout=900)
+                "--max-batch", "2", "--trace-steps", timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
-    assert out["stream_front"] is True  # its clients' replies came through the host's stream front
     assert out["batch_kv"] == "shared" and out["consistency"]["kv"] == "shared"  # the GPU layout, served here
     assert out["guest_thread"] == "step"  # and the GPU's guests on the step thread
     assert out["prefill_thread"] == "on"  # and its prefill thread (the long prompt beside the decoders)

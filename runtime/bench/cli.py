@@ -186,8 +186,7 @@ def cmd_bench_serve(a) -> int:
     r = run(a.model, tuple(a.sessions), a.tokens, a.long_prompt, progress=(lambda m: print(m, file=sys.stderr)),
             http=a.http, ttft_samples=a.ttft_samples, batch_kv=a.batch_kv, guest_thread=a.guest_thread,
             prefix_cache_mb=a.prefix_cache_mb, prefill_thread=a.prefill_thread, speculate=a.speculate,
-            stream_interval=a.stream_interval, max_batch=a.max_batch, trace_steps=a.trace_steps,
-            stream_front=a.stream_front)
+            stream_interval=a.stream_interval, max_batch=a.max_batch, trace_steps=a.trace_steps)
     if a.plot:
         plot(r, a.plot)
     if a.json:
@@ -332,8 +331,6 @@ def register(sub, add: Callable) -> None:
                     "--prefix-cache-mb (default: serve's; 0: every prompt prefilled whole, as mlx-lm's column)")
     bs.add_argument("--stream-interval", type=int, default=1, metavar="N",
                     help="the served host's serve --stream-interval (default 1: a message a token)")
-    bs.add_argument("--stream-front", action="store_true",
-                    help="the served host's serve --stream-front (reply streams from a process of their own)")
     bs.add_argument("--max-batch", type=int, metavar="N",
                     help="the served host's serve --max-batch (default: serve's, 32 on a CPU, 128 on a GPU)")
     bs.add_argument("--trace-steps", action="store_true",

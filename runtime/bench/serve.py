@@ -222,8 +222,7 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
         long_prompt: int = 2000, long_with: int = 4, progress=print, http: bool = False,
         ttft_samples: int = 20, batch_kv: str = "auto", guest_thread: str = "auto",
         prefix_cache_mb: float | None = None, prefill_thread: str = "auto", speculate: str = "auto",
-        stream_interval: int = 1, max_batch: int | None = None, trace_steps: bool = False,
-        stream_front: bool = False) -> dict:
+        stream_interval: int = 1, max_batch: int | None = None, trace_steps: bool = False) -> dict:
     from ..collector import freeze
     from ..models import load
 
@@ -238,7 +237,6 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
                            "--speculate", speculate, "--stream-interval", str(stream_interval),
                            *(["--prefix-cache-mb", f"{prefix_cache_mb:g}"] if prefix_cache_mb is not None else []),
                            *(["--max-batch", str(max_batch)] if max_batch is not None else []),
-                           *(["--stream-front"] if stream_front else []),
                            env={"KVFERRY_STEP_TRACE": trace.folder} if trace else None)
         if http:
             from .http import compare
@@ -283,7 +281,6 @@ def run(model: str | None = None, sessions: tuple[int, ...] = (1, 4, 8), tokens:
             "consistency": agree, "batching": True, "batch_kv": batch_kv,
             "guest_thread": guest_thread, "prefill_thread": prefill_thread, "speculate": speculate,
             "stream_interval": stream_interval, "max_batch": max_batch, "trace_steps": trace_steps,
-            "stream_front": stream_front,
             "device": current().as_dict(),
             "prefix_cache_mb": HostPolicy.prefix_cache_bytes / 1e6 if prefix_cache_mb is None else prefix_cache_mb,
             **({"http_vs_grpc": http_vs_grpc} if http else {})}

@@ -15,7 +15,13 @@ The dtype policy per device (``--dtype auto``):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from importlib import metadata
+
+from .paths import home
+
+KERNEL_CACHE = "MLX_PTX_CACHE_DIR"
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,22 @@ class Device:
     def __str__(self) -> str:
         mem = f", {self.memory_gb:.0f} GB" if self.memory_gb else ""
         return f"{self.backend} ({self.name}{mem})"
+
+
+def keep_kernels() -> str:
+    """Where MLX's CUDA backend keeps the kernels it compiles: under $KVFERRY_HOME,
+    one folder per MLX version, unless ``MLX_PTX_CACHE_DIR`` says otherwise. MLX's
+    own default, /tmp/mlx/VERSION/ptx, is gone after a reboot that clears /tmp, and
+    a second user of the machine cannot write into the first one's. A fresh H100
+    host compiles for minutes on its first requests (docs/accelerator.md); with the
+    kernels kept, only a machine's first start does. Call before MLX compiles anything."""
+    if not os.environ.get(KERNEL_CACHE):
+        try:
+            version = metadata.version("mlx")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        os.environ[KERNEL_CACHE] = str(home() / "mlx-kernels" / version)
+    return os.environ[KERNEL_CACHE]
 
 
 def current() -> Device:

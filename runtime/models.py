@@ -167,8 +167,10 @@ def load(model: str | os.PathLike | None = None, *, dtype: str = "auto",
          progress: bool = True) -> LoadedModel:
     """Load a model for inference with the device's fastest weights."""
     from .blas import enable
+    from .device import keep_kernels
 
     enable()  # the optimized BLAS must be in place before MLX loads
+    keep_kernels()  # and the GPU's compiled kernels kept where the next start finds them
     import mlx.core as mx
     import mlx.nn as nn
     import mlx_lm

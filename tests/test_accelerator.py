@@ -3,6 +3,7 @@ checkpoints and migrations between hosts of different dtypes, refusals), the
 transfer path (bit-exact, large, its figures reported) and the 8k regression
 (a live migration of a long conversation mid-reply, followed by the client)."""
 
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from kvferry import CheckpointError, Client
 from kvferry.checkpoint.mlxbits import cast_bits
 from kvferry.checkpoint.snapshot import save
-from kvferry.device import current, weight_policy
+from kvferry.device import KERNEL_CACHE, current, keep_kernels, weight_policy
 from kvferry.host import ModelHost
 from kvferry.params import SamplingParams
 from kvferry.server import HostServer
@@ -204,3 +205,14 @@ def test_bench_shape_builds_a_loadable_model_of_the_shape(monkeypatch, tmp_path,
     s = h.create_session(None, SamplingParams(max_tokens=3, ignore_eos=True))
     assert len([e for e in s.send("hello") if e.token >= 0]) == 3
     h.close()
+
+
+def test_compiled_gpu_kernels_are_kept_under_kvferry_home_per_mlx_version(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    monkeypatch.delenv(KERNEL_CACHE, raising=False)
+    monkeypatch.setenv("KVFERRY_HOME", str(tmp_path))
+    want = tmp_path / "mlx-kernels" / metadata.version("mlx")
+    assert keep_kernels() == str(want) == os.environ[KERNEL_CACHE]  # read by MLX at its first compile
+    monkeypatch.setenv(KERNEL_CACHE, str(tmp_path / "mine"))
+    assert keep_kernels() == str(tmp_path / "mine")  # the user's own setting wins

@@ -149,26 +149,36 @@ class ModelHost:
                                    prefill_thread=gpu if p.prefill_thread is None else p.prefill_thread)
 
     def warm(self) -> None:
-        """Three short guest-driven replies at once through the step scheduler (solo
-        and batched decode steps, with rows in order and with a gap once the first
-        reply ends, and prompt chunks, as a burst where the host bursts): on a GPU the kernels of these paths compile
-        on first use (MLX caches them on disk). A session migrating in mid-reply
-        would pay for that in its pause (60-90 ms measured on an H200), and the first
-        batch of shared KV rows in its first steps (~3 minutes on a fresh H200)."""
-        sessions = [self.create_session(None, SamplingParams(max_tokens=n, ignore_eos=True)) for n in (4, 8, 8)]
-        self.steps.expect_soon(sessions)  # the prompts together: one burst where the host bursts (kvferry.burst)
+        """Run, once, every path a reply takes through the step scheduler, so that a GPU
+        compiles their kernels now and not in some user's first token (MLX caches them
+        on disk, kvferry.device.keep_kernels). On a fresh H100 each path that missed
+        this cost its first request 50-73 s (docs/accelerator.md). In turn:
 
-        def reply(s: Session) -> None:
-            try:
-                for _ in s.send("hi"):
-                    pass
-            finally:
-                self.close_session(s.id)
-        threads = [threading.Thread(target=reply, args=(s,)) for s in sessions]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        1. three short replies at once: solo and batched decode steps, rows in order and
+           with a gap once the first ends, and their prompts as one burst where the host
+           bursts (kvferry.burst);
+        2. one prompt longer than a burst takes, alone: the plain prefill path;
+        3. eight short prompts of different lengths at once, from the prefix the first
+           ones kept: a padded burst written from a kept prefix, and more rows a step.
+
+        A session migrating in mid-reply would pay for a missed kernel in its pause."""
+        rounds = (["hi"] * 3, [" ".join(["warm"] * 100)], [" ".join(["up"] * (k + 1)) for k in range(8)])
+        for prompts in rounds:
+            sessions = [self.create_session(None, SamplingParams(max_tokens=n, ignore_eos=True))
+                        for n in (4, 8, 8, 8, 8, 8, 8, 8)[:len(prompts)]]
+            self.steps.expect_soon(sessions)  # the prompts of a round together: one step takes them all
+
+            def reply(s: Session, prompt: str) -> None:
+                try:
+                    for _ in s.send(prompt):
+                        pass
+                finally:
+                    self.close_session(s.id)
+            threads = [threading.Thread(target=reply, args=(s, p)) for s, p in zip(sessions, prompts)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
 
     def preload(self) -> None:
         """Compile the default guest and import the restore path now, so the first

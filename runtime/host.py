@@ -162,19 +162,20 @@ class ModelHost:
            ones kept: a padded burst written from a kept prefix, and more rows a step.
 
         A session migrating in mid-reply would pay for a missed kernel in its pause."""
-        rounds = (["hi"] * 3, [" ".join(["warm"] * 100)], [" ".join(["up"] * (k + 1)) for k in range(8)])
-        for prompts in rounds:
-            sessions = [self.create_session(None, SamplingParams(max_tokens=n, ignore_eos=True))
-                        for n in (4, 8, 8, 8, 8, 8, 8, 8)[:len(prompts)]]
-            self.steps.expect_soon(sessions)  # the prompts of a round together: one step takes them all
+        # (prompt, tokens) a reply; each round's first ends sooner, leaving a gap in the rows
+        rounds = ([("hi", 4), ("hi", 8), ("hi", 8)], [(" ".join(["warm"] * 100), 4)],
+                  [(" ".join(["up"] * (k + 1)), 4 if k == 0 else 8) for k in range(8)])
 
-            def reply(s: Session, prompt: str) -> None:
-                try:
-                    for _ in s.send(prompt):
-                        pass
-                finally:
-                    self.close_session(s.id)
-            threads = [threading.Thread(target=reply, args=(s, p)) for s, p in zip(sessions, prompts)]
+        def reply(s: Session, prompt: str) -> None:
+            try:
+                for _ in s.send(prompt):
+                    pass
+            finally:
+                self.close_session(s.id)
+        for replies in rounds:
+            sessions = [self.create_session(None, SamplingParams(max_tokens=n, ignore_eos=True)) for _, n in replies]
+            self.steps.expect_soon(sessions)  # the prompts of a round together: one step takes them all
+            threads = [threading.Thread(target=reply, args=(s, p)) for s, (p, _) in zip(sessions, replies)]
             for t in threads:
                 t.start()
             for t in threads:

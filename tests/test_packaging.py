@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -160,8 +161,6 @@ def test_installed_model_loads_without_its_package(smollm_dir, tmp_path, monkeyp
 
 def _anchors(text: str) -> set[str]:
     """GitHub's heading anchors: lower case, no punctuation, spaces as hyphens, -1 -2 for repeats."""
-    import re
-
     seen: dict[str, int] = {}
     out = set()
     for m in re.finditer(r"^#{1,6}\s+(.+?)\s*$", re.sub(r"```.*?```", "", text, flags=re.S), flags=re.M):
@@ -174,8 +173,6 @@ def _anchors(text: str) -> set[str]:
 def test_every_link_between_the_docs_resolves():
     """A moved section or renamed file breaks no reader's link: each relative link of the
     READMEs and docs/ names a file that exists, and a heading of it where it names one."""
-    import re
-
     docs = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     broken = []
     for doc in docs:

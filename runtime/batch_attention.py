@@ -78,13 +78,18 @@ class PackedCaches:
     attending through its own session's cache. The model's linear layers read the
     weights once for all of them; only attention (_packed_attention) splits."""
 
-    def __init__(self, segments: list) -> None:
+    def __init__(self, segments: list, rows: object = None) -> None:
         self.segments = segments  # (cache, n_tokens), in sequence order
+        # the leading one-token segments' layer of a shared-rows step (kvferry.resident.StepLayer),
+        # where they are resident: one scatter and one attention for all of them
+        self.rows = rows
 
     @classmethod
-    def of(cls, sessions: list) -> list["PackedCaches"]:
-        """Every layer's PackedCaches for ``sessions``: (session, n_tokens) in sequence order."""
-        return [cls([(s.cache[j], n) for s, n in sessions]) for j in range(len(sessions[0][0].cache))]
+    def of(cls, sessions: list, rows: list | None = None) -> list["PackedCaches"]:
+        """Every layer's PackedCaches for ``sessions``: (session, n_tokens) in sequence order;
+        ``rows``: each layer's StepLayer of the leading decode rows, where they are resident."""
+        return [cls([(s.cache[j], n) for s, n in sessions], rows[j] if rows else None)
+                for j in range(len(sessions[0][0].cache))]
 
     def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False):
         return None  # each segment makes its own (_packed_attention)
@@ -107,9 +112,13 @@ def _packed_attention(attn, x, cache: PackedCaches):
     rows = 0
     while rows < len(cache.segments) and cache.segments[rows][1] == 1:
         rows += 1
+    if cache.rows is not None:  # a one-token prompt chunk after them is a segment of its own
+        rows = cache.rows.count
     outs = []
     if rows:
-        batch = RowCaches([c for c, _ in cache.segments[:rows]])
+        # resident rows as a plain shared-rows step runs them; their caches' own writes
+        # (a slice each into the shared buffers) copied a layer's buffer once a row on a CPU
+        batch = cache.rows or RowCaches([c for c, _ in cache.segments[:rows]])
         qr, kr, vr = (a[0, :rows, None].transpose(0, 2, 1, 3) for a in (q, k, v))  # (rows, heads, 1, dim)
         offset = batch.offset
         qr, kr = attn.rope(qr, offset=offset), attn.rope(kr, offset=offset)

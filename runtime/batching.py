@@ -46,7 +46,7 @@ from .prefill_thread import PrefillThread
 from .prompt_placement import PromptPlacement
 from .run_on import RunOn
 from .top1 import StepTop1
-from .prompt_budget import PromptBudget
+from .prompt_budget import CPU_FLOOR, FLOOR, PromptBudget
 from .speculation import Speculation
 from .step_forward import StepForward
 
@@ -136,7 +136,8 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
         self._init_run_on(drive)
         self.closed = False
         self._last = time.monotonic()
-        self.budget = PromptBudget()  # prompt tokens beside decodes, steered from step times
+        # prompt tokens beside decodes, steered from step times; on a CPU down to one a step
+        self.budget = PromptBudget(floor=FLOOR if self.device_top1 else CPU_FLOOR)
         self._late = False
         self.stats = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch_seen": 0,
                       "forward_s": 0.0,  # time in forward passes (the rest: guests and waiting)

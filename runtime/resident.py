@@ -237,6 +237,7 @@ class _Step:
 
     def __init__(self, rows: list[int], offsets: list[int], lengths: list[int], used: int, heads: int) -> None:
         self.used = used
+        self.count = len(rows)  # the rows stepping
         # attention reads the rows up to the longest, not the buffers' whole padded length (up
         # to GROW - 1 tokens more): on a CPU at 64 tokens that padding cost ~10 % of a step
         self.length = max(lengths)
@@ -259,6 +260,11 @@ class StepLayer:
     @property
     def offset(self):
         return self.s.offset
+
+    @property
+    def count(self) -> int:
+        """The rows stepping (each one token)."""
+        return self.s.count
 
     def update_and_fetch(self, keys, values):
         s, j = self.s, self.layer

@@ -104,11 +104,18 @@ class StepForward:
 
         model = self.host.lm.model
         tokens = [r.tokens[-1] for r in rows] + [t for _, chunk in plan for t in chunk]
-        caches = PackedCaches.of([(r.session, 1) for r in rows] + [(req.session, len(c)) for req, c in plan])
+        sessions = [r.session for r in rows]
+        resident = self.shared is not None and self.shared.take(sessions, self.stats)
+        caches = PackedCaches.of([(s, 1) for s in sessions] + [(req.session, len(c)) for req, c in plan],
+                                 self.shared.step(sessions) if resident else None)
         hidden = model.model(mx.array(tokens, dtype=mx.int32)[None], cache=caches)[:, :len(rows)]
+        if resident:
+            self.stats["resident_steps"] += 1
+            self.shared.advance(sessions)
         out = vocab_head(model)(hidden)[0].astype(mx.float32)
         logits = [out[i] for i in range(len(rows))]  # a row's logits: its token's position
-        mx.eval(logits + [c.state for req, _ in plan for c in req.session.cache])
+        mx.eval(logits + [c.state for req, _ in plan for c in req.session.cache]
+                + (self.shared.k + self.shared.v if resident else []))
         return logits
 
 

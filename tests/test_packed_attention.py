@@ -51,3 +51,41 @@ def test_a_packed_pass_gives_each_segment_its_own_pass(smollm):
             assert a.offset == b.offset
             assert mx.allclose(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :], atol=1e-4).item()
             assert mx.allclose(a.values[..., :a.offset, :], b.values[..., :b.offset, :], atol=1e-4).item()
+
+
+def test_resident_decode_rows_in_a_packed_pass_step_as_a_shared_rows_step_does(smollm):
+    """Decode rows in the shared buffers (kvferry.resident) beside a prompt chunk: the rows
+    go through the shared-rows step (one scatter, one attention a layer), and every
+    session gets what its own pass would."""
+    from kvferry.resident import ResidentKV, ResidentRows
+
+    model, enc = smollm.model, smollm.tokenizer.encode
+    assert install(model) and install_packed(model)
+    prompts = ["Rivers run to the sea.", "A ferry crossed the bay at dawn", "Name three colours:",
+               "Once upon a time", "Why is the sky blue?"]
+    sessions = [_Session.prompted(model, enc(p)) for p in prompts]
+    # three resident decode rows, a one-token prompt chunk (a CPU's smallest beside decodes: a
+    # segment of its own, not a fourth row) and a longer chunk
+    steps = [enc(" It")[:1], enc(" slowly")[:1], enc(" red")[:1], enc(" there")[:1],
+             enc(" Because the air scatters light")]
+    packed = [s.copy() for s in sessions]
+    shared = ResidentRows()
+    rows = packed[:3]
+    assert shared.take(rows) and all(type(s.cache[0]) is ResidentKV for s in rows)
+    caches = PackedCaches.of([(s, len(toks)) for s, toks in zip(packed, steps)], shared.step(rows))
+    hidden = model.model(mx.array([[t for toks in steps for t in toks]], dtype=mx.int32), cache=caches)
+    shared.advance(rows)
+    logits = (model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear)(hidden)[0]
+    mx.eval(logits, shared.k, shared.v)
+    at = 0
+    for s, p, toks in zip(sessions, packed, steps):
+        alone = s.copy()
+        ref = model(mx.array([toks], dtype=mx.int32), cache=alone.cache)[0]
+        mine = logits[at:at + len(toks)]
+        at += len(toks)
+        assert mx.allclose(mine, ref, atol=2e-3).item(), mx.abs(mine - ref).max().item()
+        assert (mine.argmax(-1) == ref.argmax(-1)).all().item()
+        for a, b in zip(p.cache, alone.cache):  # a resident row's views read its row of the buffers
+            assert a.offset == b.offset
+            assert mx.allclose(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :], atol=1e-4).item()
+            assert mx.allclose(a.values[..., :a.offset, :], b.values[..., :b.offset, :], atol=1e-4).item()

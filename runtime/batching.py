@@ -136,6 +136,7 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
         self._init_run_on(drive)
         self.closed = False
         self._last = time.monotonic()
+        self._expect_until = 0.0  # a step waits for expected sessions until then at least (expect_soon)
         # prompt tokens beside decodes, steered from step times; on a CPU down to one a step
         self.budget = PromptBudget(floor=FLOOR if self.device_top1 else CPU_FLOOR)
         self._late = False
@@ -232,12 +233,14 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
         for r in reqs:
             r.done.set()
 
-    def expect_soon(self, sessions: list) -> None:
-        """``sessions`` send their requests within a gather window from now: the next
-        step waits for them as for its decoders (so their prompts go in together)."""
+    def expect_soon(self, sessions: list, within_s: float = 0.0) -> None:
+        """``sessions`` send their requests within a gather window from now (or
+        ``within_s``, where longer): the next step waits for them as for its decoders
+        (so their prompts go in together)."""
         with self.cv:
             self.expect |= set(sessions)
             self._last = time.monotonic()
+            self._expect_until = self._last + within_s
 
     def leave(self, session: Any) -> None:
         """``session`` has no token coming this step (its turn ended or paused)."""
@@ -279,11 +282,12 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
             while not (self.decodes or self.prefills or self.closed or self.departing):
                 self.cv.wait()
             # sessions still sampling get until gather_s after the last step to join this one
-            deadline = self._last + self.gather_s
+            deadline = max(self._last + self.gather_s, self._expect_until)
             while self.expect and not self.closed and (left := deadline - time.monotonic()) > 0:
                 self.cv.wait(left)
             if self.closed:
                 return [], []
+            self._expect_until = 0.0  # (for this step only: the next waits for its rows as usual)
             rows = [self.decodes.popleft() for _ in range(min(len(self.decodes), self.max_batch))]
             self._late = bool(self.expect)  # decoders still sampling: a prompt chunk stays small anyway
             return rows, list(self.prefills)

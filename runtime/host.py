@@ -27,6 +27,7 @@ from .policy import MAX_BATCH, HostPolicy
 from .session import Session
 
 DEFAULT_GUEST = GUESTS_DIR / "chat.wasm"
+WARM_GATHER_S = 1.0  # how long a warm-up step waits for its round's prompts at most
 
 
 def warmup(lm: LoadedModel) -> None:
@@ -174,7 +175,9 @@ class ModelHost:
                 self.close_session(s.id)
         for replies in rounds:
             sessions = [self.create_session(None, SamplingParams(max_tokens=n, ignore_eos=True)) for _, n in replies]
-            self.steps.expect_soon(sessions)  # the prompts of a round together: one step takes them all
+            # the prompts of a round together: one step takes them all, even where their threads
+            # start later than a step's gather window (a loaded machine)
+            self.steps.expect_soon(sessions, within_s=WARM_GATHER_S)
             threads = [threading.Thread(target=reply, args=(s, p)) for s, (p, _) in zip(sessions, replies)]
             for t in threads:
                 t.start()

@@ -109,11 +109,12 @@ def _packed_attention(attn, x, cache: PackedCaches):
     v = attn.v_proj(x).reshape(1, t, attn.n_kv_heads, -1)
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
-    rows = 0
-    while rows < len(cache.segments) and cache.segments[rows][1] == 1:
-        rows += 1
-    if cache.rows is not None:  # a one-token prompt chunk after them is a segment of its own
+    if cache.rows is not None:  # resident rows: a one-token prompt chunk after them is a segment of its own
         rows = cache.rows.count
+    else:
+        rows = 0
+        while rows < len(cache.segments) and cache.segments[rows][1] == 1:
+            rows += 1
     outs = []
     if rows:
         # resident rows as a plain shared-rows step runs them; their caches' own writes

@@ -109,7 +109,8 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
         # them in place, faster than MLX's argmax over a batch (9 against 0.5 ms at 64 rows here)
         import mlx.core as mx
 
-        self.device_top1 = mx.default_device() != mx.cpu
+        gpu = mx.default_device() != mx.cpu
+        self.device_top1 = gpu
         self.guesses: dict[Any, Any] = {}  # session -> its speculated next step (kvferry.speculation)
         self.missed: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # guesses missed in a row
         self.max_batch = max_batch
@@ -138,7 +139,7 @@ class StepScheduler(PromptPlacement, RunOn, Speculation, StepForward):
         self._last = time.monotonic()
         self._expect_until = 0.0  # a step waits for expected sessions until then at least (expect_soon)
         # prompt tokens beside decodes, steered from step times; on a CPU down to one a step
-        self.budget = PromptBudget(floor=FLOOR if self.device_top1 else CPU_FLOOR)
+        self.budget = PromptBudget(floor=FLOOR if gpu else CPU_FLOOR)
         self._late = False
         self.stats = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch_seen": 0,
                       "forward_s": 0.0,  # time in forward passes (the rest: guests and waiting)

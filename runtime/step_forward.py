@@ -33,13 +33,12 @@ class StepForward:
         if rows:
             if tokens is None:
                 tokens = mx.array([[r.tokens[-1]] for r in rows], dtype=mx.int32)
+            sessions = [r.session for r in rows]
             if len(rows) == 1 or not self.batched:
                 parts = [model(tokens[i:i + 1], cache=r.session.cache)[:, -1] for i, r in enumerate(rows)]
                 batch = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-            elif self.shared is not None and self.shared.take([r.session for r in rows], self.stats):
-                sessions = [r.session for r in rows]
-                self.stats["resident_steps"] += 1
-                batch = model(tokens, cache=self.shared.step(sessions))[:, -1]
+            elif (layers := self._resident_step(sessions)) is not None:
+                batch = model(tokens, cache=layers)[:, -1]
                 self.shared.advance(sessions)
                 out.extend(self.shared.k + self.shared.v)
                 resident = True
@@ -92,6 +91,15 @@ class StepForward:
                 (body or model)(mx.array(chunk, dtype=mx.int32)[None], cache=req.session.cache)
         return out + [c.state for req, _ in plan for c in req.session.cache]
 
+    def _resident_step(self, sessions: list) -> list | None:
+        """The shared rows' layers for one decode step of ``sessions`` (those not resident
+        join), counted; None where one cannot join: their rows then run per session. The
+        caller advances the rows once its pass is built."""
+        if self.shared is None or not self.shared.take(sessions, self.stats):
+            return None
+        self.stats["resident_steps"] += 1
+        return self.shared.step(sessions)
+
     def _bursts(self, req: Any, chunk: list) -> bool:
         """Whether ``req``'s chunk can go in a burst: short, on caches that join the shared rows."""
         return len(chunk) <= burst.SHORT and not req.session.closed and burst.fits(self.shared, req.session,
@@ -105,12 +113,11 @@ class StepForward:
         model = self.host.lm.model
         tokens = [r.tokens[-1] for r in rows] + [t for _, chunk in plan for t in chunk]
         sessions = [r.session for r in rows]
-        resident = self.shared is not None and self.shared.take(sessions, self.stats)
-        caches = PackedCaches.of([(s, 1) for s in sessions] + [(req.session, len(c)) for req, c in plan],
-                                 self.shared.step(sessions) if resident else None)
+        layers = self._resident_step(sessions)
+        resident = layers is not None
+        caches = PackedCaches.of([(s, 1) for s in sessions] + [(req.session, len(c)) for req, c in plan], layers)
         hidden = model.model(mx.array(tokens, dtype=mx.int32)[None], cache=caches)[:, :len(rows)]
         if resident:
-            self.stats["resident_steps"] += 1
             self.shared.advance(sessions)
         out = vocab_head(model)(hidden)[0].astype(mx.float32)
         logits = [out[i] for i in range(len(rows))]  # a row's logits: its token's position

@@ -9,7 +9,7 @@ below (compiled); and one of the MLP's matmuls for scale. Then SmolLM2 (as this
 device's policy loads it) prefills ``--context`` tokens in chunks of ``--chunk``
 and decodes 10 tokens, with mlx-lm's attention (``mx.fast.scaled_dot_product_attention``)
 and with a plain one whose softmax uses ``fast_exp``, alternated ``--rounds``
-times; both runs' last logits are compared. The figures in docs/performance.md
+times; both runs' last logits are compared. The figures in docs/performance-log.md
 ("A long prompt's prefill on a CPU") came from it.
 
 ``fast_exp`` is e^x as 2^n · 2^f (n = floor(x·log2 e), f in [0, 1)), 2^f by a

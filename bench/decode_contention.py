@@ -8,7 +8,7 @@ chunks (what ``serve --prefill-thread`` does), multiplies two 8192x8192 float16
 matrices (GPU work, few launches; 1024x1024 float32 on a CPU), spins in pure Python (GIL only), or runs
 graphs of 600 tiny ops (launches, no work). Then the prefill and the Python spin
 again with a 0.5 ms GIL switch interval instead of CPython's 5 ms. The numbers in
-docs/performance.md ("The prefill thread") came from it on an H200.
+docs/performance-log.md ("The prefill thread") came from it on an H200.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ than mlx-lm's own pipelined step (``bench overhead``'s bare decode), the device
 ran part of it beside the host; when the build and the launch inside ``eval``
 already fill mlx-lm's step, decode is bound by the host's Python, and every
 further microsecond of host work a token (a guest's sampling, a scheduler's
-bookkeeping) shows in tokens/s. docs/performance.md ("Guest overhead") has the
+bookkeeping) shows in tokens/s. docs/performance-log.md ("Guest overhead") has the
 H200 figures.
 """
 

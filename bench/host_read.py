@@ -14,7 +14,7 @@ a greedy sampler needs, each timed per token (median):
   bytes, as kvferry's scheduler now does for greedy guests (kvferry.top1).
 
 On MLX CUDA an array's first host read copies its device buffer into unified
-memory; on the CPU the read is free. docs/performance.md has the H200 figures.
+memory; on the CPU the read is free. docs/performance-log.md has the H200 figures.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ session's KV out in 1.5 MB pieces, as live pre-copy does, either by numpy
 straight from the cache's buffer, or after an MLX copy of the piece into a
 buffer of its own. The question on a GPU: does numpy reading CUDA unified memory
 move the cache's pages, so that the next step waits for them? On an H200 it did
-not (docs/performance.md, the 2026-12-02 migration table's notes).
+not (docs/performance-log.md, the 2026-12-02 migration table's notes).
 """
 
 from __future__ import annotations

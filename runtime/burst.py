@@ -16,7 +16,7 @@ next token overwrites them. A new session's cached prompt prefix (:mod:`kvferry.
 is written into its row the same way, one write per layer for every session that
 shares it, and the prompts a burst leaves for others are copied out in one gather per layer.
 On the H100, 52 newcomers then took one step of 112 ms, and the first token at 64
-sessions came 2.7x sooner (docs/performance.md, "Bursts of newcomers").
+sessions came 2.7x sooner (docs/performance-log.md, "Bursts of newcomers").
 
 On where a step's prompts run apart from its decode rows (split prefill: the GPU
 default). ``KVFERRY_BURST=1`` turns it on elsewhere (the CPU tests, whose host then

@@ -144,7 +144,7 @@ class ModelHost:
         self.steps = StepScheduler(self, max_batch=self.max_batch, guest_step_ms=p.guest_step_ms,
                                    step_tokens=p.step_tokens,
                                    speculate=gpu if p.speculate is None else p.speculate,
-                                   # shared rows on every device (auto: None); docs/performance.md says why on a CPU
+                                   # shared rows on every device (auto: None); docs/performance-log.md says why on a CPU
                                    shared_kv=p.shared_kv is not False,
                                    split_prefill=gpu, drive=drive,
                                    prefill_thread=gpu if p.prefill_thread is None else p.prefill_thread)

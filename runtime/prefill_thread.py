@@ -2,7 +2,7 @@
 
 In-step chunking (:mod:`kvferry.batching`) puts a prompt chunk into a decode step.
 On a GPU a prompt pass is launch-bound: it costs about 2x a decode step whatever
-its size (docs/performance.md), so every step that carries a chunk is slow for
+its size (docs/performance-log.md), so every step that carries a chunk is slow for
 every decoder. Here a long prompt that arrives while others decode is prefilled by
 a second thread instead. MLX gives each thread its own stream, so the GPU runs
 the chunks beside the decode steps, and ``mx.eval`` releases the GIL, so the step
@@ -21,7 +21,7 @@ too, and its logits are handed to the step thread as that session's guessed step
 (:mod:`kvferry.speculation`). Its first decode step then takes them like any
 guess: it costs that step no forward pass of its own. Decoded on the step thread
 instead, it was a second pass beside the other rows' guessed one, which made
-that step about 2x (38 against 11-18 ms on an H200, docs/performance.md).
+that step about 2x (38 against 11-18 ms on an H200, docs/performance-log.md).
 
 On by default on a GPU (``serve --prefill-thread``). On a CPU the two threads
 would share the same cores, so in-step chunks stay the default there.
@@ -39,7 +39,7 @@ from .step_forward import vocab_head
 
 # CPython hands the GIL to a waiting thread only every switch interval (5 ms by
 # default): a decode step waiting for it behind this thread's Python took 11.8 ms
-# instead of 6.1 on an H200, and 5.4 ms with 0.5 ms (docs/performance.md)
+# instead of 6.1 on an H200, and 5.4 ms with 0.5 ms (docs/performance-log.md)
 SWITCH_S = 0.0005
 CHUNK = 2048  # prompt tokens a chunk (mlx-lm's prefill_step_size; llama.cpp's -b)
 

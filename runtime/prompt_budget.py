@@ -4,7 +4,7 @@ The budget is steered from measured step times toward a step of ~1.3x a plain
 decode step, so the decoders' TPOT p99 stays within 2x its p50 while a long
 prompt goes in (on a CPU a prompt token costs about what a decode row does). At
 1.5x the steps beside a prompt spread to 2.2-2.6x on a 2-core CPU's noise, and
-the p99 with them (docs/performance.md); the price is a long prompt that goes in
+the p99 with them (docs/performance-log.md); the price is a long prompt that goes in
 more slowly while others decode.
 
 Where even the smallest chunk costs more than that, shrinking buys nothing. On an
@@ -20,7 +20,7 @@ does. On a CPU a prompt token is not cheap: SmolLM2's ~3.4 ms a token at a short
 context grows with the prompt's length (its attention), so that beside 4 decode rows
 of 79 ms, 4 tokens at 2k tokens in cost 1.86x. At a floor of 4 that read as a fixed
 cost past ``FIXED``, the target rose to ~2.1x, and the decoders' p99 went over 2x
-(docs/performance.md); there the floor is one token (1.39x at 2k).
+(docs/performance-log.md); there the floor is one token (1.39x at 2k).
 """
 
 from __future__ import annotations

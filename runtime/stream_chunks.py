@@ -3,7 +3,7 @@
 Each streamed message costs a host more than its token: gRPC sends it as a batch of
 its own and the RPC thread waits for the send to complete, two hand-offs of the GIL
 that the step thread also wants. Under load that is the largest host cost a token
-(docs/performance.md). So a host may carry up to N tokens a message, one token's
+(docs/performance-log.md). So a host may carry up to N tokens a message, one token's
 fields as always (``index``, ``token``, ``text``) and the rest in ``more_tokens`` and
 ``more_texts``. Only a client that says it reads them (``SendRequest.chunk_tokens``)
 gets them; the SDK hands its callers one chunk a token again (:func:`expand`).

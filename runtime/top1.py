@@ -5,7 +5,7 @@ row's logits on the host, it made MLX CUDA copy the step's whole float32 logits 
 of device memory at the first read (196 KB a row of SmolLM2's vocabulary, 12.6 MB a
 step at 64 rows): 0.11-0.15 ms of host time a read on an H200, and a bare pipelined
 decode of the 1B shape lost 0.25 ms a token to it on one machine, nothing measurable
-on another (docs/performance.md, "Host reads of the logits"). So on an
+on another (docs/performance-log.md, "Host reads of the logits"). So on an
 accelerator the scheduler computes each row's (argmax, max) beside the logits, in
 the step's own graph, and the host reads 8 bytes a row, once a step; a speculated
 step is built on the same argmax. On a CPU numpy reads the logits in place, faster

@@ -6,7 +6,7 @@ builds a ``Val`` per argument and result, and on each host-function return makes
 new ``ValType`` objects to compare with: a dozen foreign calls per crossing, each
 of which lets go of the GIL. A chat guest crosses three times a token (its step,
 ``kv_decode``, ``kv_logits_topk``), and at 64 sessions a host's step thread spent
-more time there than in the model (docs/performance.md, "Guest calls"). Here the
+more time there than in the model (docs/performance-log.md, "Guest calls"). Here the
 types are checked once, when a guest is linked or an export first called, and a
 crossing is one foreign call that reads and writes raw values in place.
 

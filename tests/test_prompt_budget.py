@@ -49,7 +49,7 @@ def test_where_each_token_costs_a_cpu_goes_down_to_one_token_a_step():
 
 
 def test_a_four_token_floor_there_read_the_per_token_cost_as_fixed():
-    # the GPU floor on that CPU: what a 2,280-token prompt did to the decoders' p99 (docs/performance.md)
+    # the GPU floor on that CPU: what a 2,280-token prompt did to the decoders' p99 (docs/performance-log.md)
     b, ratios = steer(long_context, floor=FLOOR)
     assert b.target > FIXED and max(ratios[-20:]) > 1.8
 

@@ -177,7 +177,8 @@ def worker_env() -> dict[str, str]:
         # frees or lands them (a migration lands on a gRPC thread). Memory new to the
         # process costs its page faults: on this VM they were most of a migration's
         # landing, and after a prefill a transfer ran at 41-754 MB/s instead of
-        # ~1.1-1.3 GB/s (docs/performance-log.md, "KV lands in memory the host kept").
+        # ~1.1-1.3 GB/s (docs/performance-log.md, "KV read in place, and landing in
+        # memory the host kept").
         # Decode with 1 and 4 sessions measured the same with one arena.
         add += [f"glibc.malloc.mmap_threshold={KEEP_BELOW}", f"glibc.malloc.trim_threshold={KEEP_FREED}",
                 "glibc.malloc.arena_max=1"]

@@ -59,7 +59,7 @@ def frame(token: int, parts: list, mode: str) -> dict | None:
     arrays, names = [u for u, _ in parts], [name for _, name in parts]
     if not isinstance(arrays[0], np.ndarray):  # no delta read on a device to ride with
         arrays = split_joined(np.array(joined(arrays)), arrays)
-    if int(arrays[-2]) != token:
+    if int(np.asarray(arrays[-2]).reshape(-1)[0]) != token:  # (a one-element array)
         return None  # the guest chose another token than the guess: the target runs that step
     mode = "raw" if mode == "raw" else "lossless"  # exact, whatever the KV's codec
     blobs = [codecs.encode(np.ascontiguousarray(u), name, mode)

@@ -101,9 +101,11 @@ class Speculation:
         arrays not read here, whose K/V sit one past each cache's offset; None when there
         is none. A migration's pause takes it along where the guess is the guest's token
         (kvferry.checkpoint.snapshot's ``ahead``): the token is read with the rest, not
-        alone (on MLX CUDA a read waits for the device)."""
+        alone (on MLX CUDA a read waits for the device). The token is a one-element slice,
+        not ``tokens[row]``: that is a gather, whose kernel no served step compiles, so a
+        fresh GPU host's first migration compiled it inside its pause (2.1 s on an H100)."""
         g = self.guesses.get(session)
-        return (g.tokens[g.row], g.logits) if g is not None and g.still(session) else None
+        return (g.tokens[g.row:g.row + 1], g.logits) if g is not None and g.still(session) else None
 
     def _land(self, session: Any) -> None:
         """A landed session's step run by the host it came from (``landed_step``: the

@@ -656,9 +656,17 @@ def test_the_step_a_source_ran_ahead_goes_along_and_the_target_takes_it(speculat
     (its guest's token confirmed the guess): the pause sends that step's K/V and logits
     with the state, and the target's first step takes them instead of running the
     model. The reply goes on exactly as the unmigrated twin's. ``device``: the KV is
-    read as on a GPU (MLX copies read once), the step's pieces riding with the last delta."""
+    read as on a GPU (MLX copies read once), the step's pieces riding with the last
+    delta, and the guessed token taken without a Gather (an integer index on the
+    device): no served step compiles its CUDA kernel, so a fresh GPU host compiled it
+    inside its first migration's pause (2.1 s on an H100)."""
+    import io
+
+    import mlx.core as mx
+
     from kvferry.checkpoint import snapshot, step_ahead
 
+    a, b = speculating_pair
     if device:
         monkeypatch.setattr(snapshot, "host_memory", lambda: False)
         rode = []
@@ -667,7 +675,16 @@ def test_the_step_a_source_ran_ahead_goes_along_and_the_target_takes_it(speculat
             rode.append(isinstance(parts[0][0], np.ndarray))  # read on the host with the delta already
             return real(token, parts, mode)
         monkeypatch.setattr(step_ahead, "frame", frame)
-    a, b = speculating_pair
+        graphs = []
+        held = a.host.steps.held_guess
+        def held_guess(session):
+            guess = held(session)
+            if guess is not None:
+                dot = io.StringIO()
+                mx.export_to_dot(dot, guess[0])  # the token's ops, not yet evaluated
+                graphs.append(dot.getvalue())
+            return guess
+        monkeypatch.setattr(a.host.steps, "held_guess", held_guess)
     c, s, twin = conversation(a, max_tokens=80)  # long enough to move mid-reply
     ref = [ch.token for ch in twin.events("keep going") if ch.token >= 0]
     landed0 = b.host.steps.stats["landed_steps"]
@@ -679,6 +696,7 @@ def test_the_step_a_source_ran_ahead_goes_along_and_the_target_takes_it(speculat
     assert b.host.steps.stats["landed_steps"] == landed0 + 1
     assert b.host.steps.stats["speculation_hits"] > hits0  # taken, not turned down
     assert not device or rode == [True]  # read with the last delta, not on their own
+    assert not device or (graphs and not any("Gather" in g for g in graphs))
     s.close()
     twin.close()
 

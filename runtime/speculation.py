@@ -31,10 +31,12 @@ class _Guess:
     """A speculated next step of one session, on row ``row`` of ``tokens`` (the
     guessed tokens of the step that made it, a device array): valid while its cache
     is where it was, also when its session comes back a step or more late."""
-    __slots__ = ("tokens", "row", "logits", "offset", "epoch", "n", "prefilled")
+    __slots__ = ("tokens", "row", "logits", "offset", "epoch", "n", "prefilled", "step")
 
-    def __init__(self, tokens: Any, row: int, logits: Any, session: Any, prefilled: bool = False) -> None:
+    def __init__(self, tokens: Any, row: int, logits: Any, session: Any, prefilled: bool = False,
+                 step: Any = None) -> None:
         self.tokens, self.row, self.logits, self.prefilled = tokens, row, logits, prefilled
+        self.step = step  # the speculated step's RowLogits (row ``row`` is ours), where one made it
         self.offset, self.epoch, self.n = session.cache[0].offset, session.kv_epoch, len(session.history)
 
     def still(self, session: Any) -> bool:
@@ -90,7 +92,12 @@ class Speculation:
         prefilled = sum(g.prefilled for g in hit.values())
         self.stats["speculation_hits"] += len(hit) - prefilled
         self.stats["prefill_logits"] += prefilled  # (a first token's, from the prefill thread)
-        out = [hit[r].logits if r in hit else next(rest) for r in rows]
+        steps = {id(g.step) for g in hit.values()}
+        if not others and len(steps) == 1 and hit[rows[0]].step is not None:
+            # every row from one speculated step: its rows, still one batch for the top-1
+            out = hit[rows[0]].step.taken([hit[r].row for r in rows])
+        else:
+            out = [hit[r].logits if r in hit else next(rest) for r in rows]
         if wait:
             mx.eval(out)
         return out
@@ -159,7 +166,7 @@ class Speculation:
         if nxt is None:
             return
         for i, (r, lo) in enumerate(zip(rows, nxt)):
-            self.guesses[r.session] = _Guess(guess, i, lo, r.session)
+            self.guesses[r.session] = _Guess(guess, i, lo, r.session, step=nxt)
         self.stats["speculated"] += len(rows)
 
     @staticmethod

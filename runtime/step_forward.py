@@ -48,8 +48,7 @@ class StepForward:
                 batch = model(tokens, cache=caches)[:, -1]
             # one evaluated float32 array per row: the guest's kv_logits then only reads it
             # (a lazy op made on this thread's stream could not be evaluated on the guest's)
-            batch = batch.astype(mx.float32)
-            logits = [batch[i] for i in range(len(rows))]
+            logits = RowLogits(batch.astype(mx.float32))
             out.extend(logits)
         if plan:
             out.extend(self._prefill(plan))
@@ -119,11 +118,38 @@ class StepForward:
         hidden = model.model(mx.array(tokens, dtype=mx.int32)[None], cache=caches)[:, :len(rows)]
         if resident:
             self.shared.advance(sessions)
-        out = vocab_head(model)(hidden)[0].astype(mx.float32)
-        logits = [out[i] for i in range(len(rows))]  # a row's logits: its token's position
+        logits = RowLogits(vocab_head(model)(hidden)[0].astype(mx.float32))  # a row's: its token's position
         mx.eval(logits + [c.state for req, _ in plan for c in req.session.cache]
                 + (self.shared.k + self.shared.v if resident else []))
         return logits
+
+
+class RowLogits(list):
+    """A decode step's logits, one row a session: views of the step's ``batch`` (rows,
+    vocabulary), evaluated with it. ``batch[i]`` would be a Gather a row, a kernel
+    each on a GPU (64 a step at 64 rows, and as many copies again to stack them back
+    for the step's top-1); a split is a view and launches nothing. ``batch`` stays
+    for whoever needs the rows together (:class:`kvferry.top1.StepTop1`)."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Any) -> None:
+        import mlx.core as mx
+
+        n = batch.shape[0]
+        super().__init__(mx.squeeze(r, 0) for r in (mx.split(batch, n, axis=0) if n > 1 else [batch]))
+        self.batch = batch
+
+    def taken(self, rows: list[int]) -> "RowLogits":
+        """These rows (indices into this step's), in that order, as RowLogits of their own:
+        the same views, and one Gather for their batch unless they are all of it, in order."""
+        import mlx.core as mx
+
+        out = RowLogits.__new__(RowLogits)
+        list.__init__(out, (self[i] for i in rows))
+        whole = rows == list(range(len(self)))
+        out.batch = self.batch if whole else self.batch[mx.array(rows, dtype=mx.int32)]
+        return out
 
 
 def vocab_head(model: Any) -> Any:

@@ -29,7 +29,9 @@ class StepTop1:
     def __init__(self, logits: list) -> None:
         import mlx.core as mx
 
-        batch = logits[0][None] if len(logits) == 1 else mx.stack(logits)
+        batch = getattr(logits, "batch", None)  # a step's rows as one array (kvferry.step_forward.RowLogits)
+        if batch is None:
+            batch = logits[0][None] if len(logits) == 1 else mx.stack(logits)
         # argmax and numpy's argmax both take the first of equal maxima
         self.pairs = mx.stack([mx.argmax(batch, axis=-1).astype(mx.int32),
                                mx.max(batch, axis=-1).view(mx.int32)], axis=1)

@@ -442,6 +442,35 @@ def test_step_top1_is_numpys_first_maximum():
     assert StepTop1([mx.array(r) for r in x]).row(1)[0] == 7
 
 
+def test_a_steps_row_logits_are_views_of_its_batch_and_its_top1_reads_the_batch():
+    """Each decode row's logits are a view of the step's batch, not ``batch[i]`` (a
+    Gather a row: a kernel each on a GPU); rows taken from one speculated step, in
+    any order, keep one batch for the step's top-1, whose answers are the rows'."""
+    import io
+
+    import mlx.core as mx
+    import numpy as np
+
+    from kvferry.step_forward import RowLogits
+    from kvferry.top1 import StepTop1
+
+    x = np.random.default_rng(1).normal(size=(5, 300)).astype(np.float32)
+    batch = mx.array(x) * 1  # lazy, as a step's
+    rows = RowLogits(batch)
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *rows)
+    assert "Gather" not in dot.getvalue()
+    mx.eval(rows)
+    assert [np.array(r).tolist() for r in rows] == x.tolist()
+    assert rows.taken(list(range(5))).batch is batch
+    some = rows.taken([3, 0, 4])
+    assert [id(r) for r in some] == [id(rows[3]), id(rows[0]), id(rows[4])]
+    top = StepTop1(some)
+    mx.eval(top.pairs)
+    assert [top.row(i)[0] for i in range(3)] == [int(np.argmax(x[j])) for j in (3, 0, 4)]
+    assert RowLogits(batch[:1])[0].shape == (300,)
+
+
 def test_greedy_guests_read_the_steps_top1_not_the_logits(host, solo, monkeypatch):
     """A greedy guest's kv_logits_topk(1) is answered from the step's device top-1
     (kvferry.top1), never from its logits read on the host; the reply is the same."""

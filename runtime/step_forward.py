@@ -125,24 +125,22 @@ class StepForward:
 
 
 class RowLogits(list):
-    """A decode step's logits, one row a session: views of the step's ``batch`` (rows,
-    vocabulary), evaluated with it. ``batch[i]`` would be a Gather a row, a kernel
-    each on a GPU (64 a step at 64 rows, and as many copies again to stack them back
-    for the step's top-1); a split is a view and launches nothing. ``batch`` stays
-    for whoever needs the rows together (:class:`kvferry.top1.StepTop1`)."""
+    """A decode step's logits, one row a session, and the step's ``batch`` (rows,
+    vocabulary) they came from, for whoever needs them together
+    (:class:`kvferry.top1.StepTop1`: stacking the rows back was a copy a row, 64
+    kernels a step at 64 rows on a GPU). Each row is an array of its own
+    (``batch[i]``), not a view: a session keeps its last row between turns, and a
+    view would keep the step's whole batch alive with it."""
 
     __slots__ = ("batch",)
 
     def __init__(self, batch: Any) -> None:
-        import mlx.core as mx
-
-        n = batch.shape[0]
-        super().__init__(mx.squeeze(r, 0) for r in (mx.split(batch, n, axis=0) if n > 1 else [batch]))
+        super().__init__(batch[i] for i in range(batch.shape[0]))
         self.batch = batch
 
     def taken(self, rows: list[int]) -> "RowLogits":
         """These rows (indices into this step's), in that order, as RowLogits of their own:
-        the same views, and one Gather for their batch unless they are all of it, in order."""
+        the same arrays, and one Gather for their batch unless they are all of it, in order."""
         import mlx.core as mx
 
         out = RowLogits.__new__(RowLogits)

@@ -442,10 +442,12 @@ def test_step_top1_is_numpys_first_maximum():
     assert StepTop1([mx.array(r) for r in x]).row(1)[0] == 7
 
 
-def test_a_steps_row_logits_are_views_of_its_batch_and_its_top1_reads_the_batch():
-    """Each decode row's logits are a view of the step's batch, not ``batch[i]`` (a
-    Gather a row: a kernel each on a GPU); rows taken from one speculated step, in
-    any order, keep one batch for the step's top-1, whose answers are the rows'."""
+def test_a_steps_row_logits_keep_their_batch_for_the_top1():
+    """A step's rows keep the batch they came from, so its top-1 reads that batch
+    instead of stacking the rows back (a copy a row: a kernel each on a GPU); rows
+    taken from one speculated step, in any order, keep one batch, and the top-1's
+    answers are the rows'. Each row is an array of its own, not a view that would
+    keep the whole batch alive while its session idles between turns."""
     import io
 
     import mlx.core as mx
@@ -457,12 +459,12 @@ def test_a_steps_row_logits_are_views_of_its_batch_and_its_top1_reads_the_batch(
     x = np.random.default_rng(1).normal(size=(5, 300)).astype(np.float32)
     batch = mx.array(x) * 1  # lazy, as a step's
     rows = RowLogits(batch)
-    dot = io.StringIO()
-    mx.export_to_dot(dot, *rows)
-    assert "Gather" not in dot.getvalue()
     mx.eval(rows)
     assert [np.array(r).tolist() for r in rows] == x.tolist()
     assert rows.taken(list(range(5))).batch is batch
+    dot = io.StringIO()
+    mx.export_to_dot(dot, StepTop1(rows).pairs)
+    assert dot.getvalue().count('label ="Concatenate"') == 1  # the pairs only: no stack of the rows
     some = rows.taken([3, 0, 4])
     assert [id(r) for r in some] == [id(rows[3]), id(rows[0]), id(rows[4])]
     top = StepTop1(some)

@@ -178,24 +178,36 @@ class Parts:
         return b"".join(self.buffers)
 
 
-def _pieces(obj: Any, packer: msgpack.Packer, out: list) -> None:
-    """``obj`` packed as msgpack packs it, as a list of buffers: the small parts
-    packed, each large payload by reference (a view is never copied here)."""
+def _pieces(obj: Any, packer: msgpack.Packer, out: list, small: bytearray) -> None:
+    """``obj`` packed as msgpack packs it, as a list of buffers: each large payload by
+    reference (a view is never copied here), the small parts between two of them packed
+    into one buffer (``small``, until the caller flushes it). A buffer each made a live
+    pause's last delta (30 layers in one frame) ~1,350 buffers, each hashed twice."""
     if isinstance(obj, dict):
-        out.append(packer.pack_map_header(len(obj)))
+        small += packer.pack_map_header(len(obj))
         for k, v in obj.items():
-            out.append(packer.pack(k))
-            _pieces(v, packer, out)
+            small += packer.pack(k)
+            _pieces(v, packer, out, small)
     elif isinstance(obj, Gather):  # before tuple, which it is
-        out += (_bin_head(obj.nbytes), *obj)
+        small += _bin_head(obj.nbytes)
+        _flush(out, small)
+        out += obj
     elif isinstance(obj, (list, tuple)):
-        out.append(packer.pack_array_header(len(obj)))
+        small += packer.pack_array_header(len(obj))
         for v in obj:
-            _pieces(v, packer, out)
+            _pieces(v, packer, out, small)
     elif isinstance(obj, (bytes, bytearray, memoryview)) and (n := memoryview(obj).nbytes) >= SPLICE_BYTES:
-        out += (_bin_head(n), obj)
+        small += _bin_head(n)
+        _flush(out, small)
+        out.append(obj)
     else:
-        out.append(packer.pack(obj))
+        small += packer.pack(obj)
+
+
+def _flush(out: list, small: bytearray) -> None:
+    if small:
+        out.append(bytes(small))
+        small.clear()
 
 
 def encode_frame(kind: int, obj: Any) -> bytes:
@@ -208,7 +220,28 @@ def encode_frame(kind: int, obj: Any) -> bytes:
 def encode_frame_parts(kind: int, obj: Any) -> Parts:
     """:func:`encode_frame` as its buffers: each large payload by reference."""
     pieces: list = []
-    _pieces(obj, msgpack.Packer(use_bin_type=True), pieces)
+    small = bytearray()
+    _pieces(obj, msgpack.Packer(use_bin_type=True), pieces, small)
+    _flush(pieces, small)
+    return _framed(kind, pieces)
+
+
+def encode_frame_packed(kind: int, obj: Any) -> bytes:
+    """:func:`encode_frame` of a body whose payloads are all small and its own (a live
+    pause's last delta: 30 layers' few tokens in one frame), packed by msgpack in one
+    call: the same bytes, ~8x faster than walking its ~1,300 parts in Python. A
+    :class:`Gather` (a view to splice) is refused: it belongs in :func:`encode_frame`."""
+    body = msgpack.packb(obj, use_bin_type=True, strict_types=True, default=_exact)
+    return b"".join(_framed(kind, [body]).buffers)
+
+
+def _exact(obj: Any) -> Any:
+    if type(obj) is tuple:  # packed as a list, as msgpack packs a tuple without strict_types
+        return list(obj)
+    raise TypeError(f"a {type(obj).__name__} in a packed frame (encode_frame splices views)")
+
+
+def _framed(kind: int, pieces: list) -> Parts:
     size = sum(memoryview(p).nbytes for p in pieces)
     if size > MAX_BODY:
         raise CheckpointError(f"{KIND_NAMES.get(kind, kind)} frame of {size} bytes exceeds "
@@ -239,6 +272,15 @@ class FrameWriter:
 
     def frame(self, kind: int, obj: Any) -> bytes:
         return bytes(self.frame_parts(kind, obj))  # one join, the preamble in it
+
+    def frame_packed(self, kind: int, obj: Any) -> bytes:
+        """:meth:`frame` of a body of small payloads of its own (:func:`encode_frame_packed`)."""
+        head = b"" if self.started else self.start()
+        self.count += 1
+        f = encode_frame_packed(kind, obj)
+        self.digest.update(f)
+        self.bytes += len(f)
+        return head + f if head else f
 
     def frame_parts(self, kind: int, obj: Any) -> Parts:
         """:meth:`frame` as its buffers (payloads by reference: valid while they are)."""

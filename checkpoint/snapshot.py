@@ -322,7 +322,7 @@ class Snapshotter:
                 time.sleep(max(0.0, self._due - now))
             yield frame
         if bodies:
-            yield self.w.frame(KV, {"batch": bodies})
+            yield self.w.frame_packed(KV, {"batch": bodies})  # small copies (borrow=False): one msgpack call
 
     def kv(self, upto: int | None = None, batch: bool = False, extra: list | None = None) -> Iterator[bytes]:
         """KV frames for tokens [sent_tokens, upto) of every layer (a delta) of a

@@ -139,6 +139,10 @@ def preamble() -> bytes:
 
 
 SPLICE_BYTES = 1 << 16  # payloads this large are joined into their frame, not copied into msgpack's buffer
+# A KV body this large is read in place (unpack_views); a smaller one by msgpack's C reader:
+# copying under 1 MiB costs less than walking a live pause's last delta, ~1,300 small
+# parts, in Python (0.06 against 0.9 ms on this CPU, 30 layers).
+VIEWS_FROM = 1 << 20
 
 
 def _bin_head(n: int) -> bytes:
@@ -306,8 +310,9 @@ class FrameDecoder:
     """Incremental, verifying decoder: feed bytes in any chunking, get frames."""
 
     def __init__(self, max_total: int = 64 << 30, views: bool = False) -> None:
-        # ``views``: a KV frame fed whole in one chunk is read in place, its payloads
-        # views of that chunk (Frame.borrowed): the caller keeps the chunk until applied
+        # ``views``: a KV frame fed whole in one chunk, of VIEWS_FROM bytes or more, is read
+        # in place, its payloads views of that chunk (Frame.borrowed): the caller keeps
+        # the chunk until applied
         self.views = views
         self.buf = bytearray()
         self.digest = xxhash.xxh3_128()
@@ -377,7 +382,7 @@ class FrameDecoder:
             if h.intdigest() != checksum:
                 raise CheckpointError(f"{where}: checksum mismatch (corrupted)")
             pos += FRAME_HEAD.size + n
-            borrowed = views and kind == KV
+            borrowed = views and kind == KV and n >= VIEWS_FROM
             obj = unpack_views(body, where) if borrowed else unpack(body, where)
             if kind == TRAILER:
                 if not isinstance(obj, dict) or obj.get("frames") != self.index or \

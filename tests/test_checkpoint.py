@@ -583,13 +583,13 @@ def test_a_frame_in_parts_is_the_joined_frame_and_its_reader_borrows_only_large_
     from kvferry.checkpoint import frames
 
     rng = np.random.default_rng(1)
-    cache = rng.integers(0, 1 << 32, (1, 3, 700, 64), dtype=np.uint32)
-    kv = cache[..., 100:612, :]  # a layer's range read in place: one run a head
+    cache = rng.integers(0, 1 << 32, (1, 3, 1700, 64), dtype=np.uint32)
+    kv = cache[..., 100:1612, :]  # a layer's range read in place: one run a head (1.2 MB)
     assert not kv.flags.c_contiguous
     blob = codecs.encode(kv, "float32", "raw", borrow=True)
     assert isinstance(blob["parts"][0], frames.Gather) and len(blob["parts"][0]) == 3
     small = rng.integers(0, 255, 300, dtype=np.uint8).tobytes()
-    body = {"layer": 2, "start": 100, "end": 612, "keys": blob, "values": [small, -7, 2.5, None, True, "é"]}
+    body = {"layer": 2, "start": 100, "end": 1612, "keys": blob, "values": [small, -7, 2.5, None, True, "é"]}
     joined, split = FrameWriter(), FrameWriter()
     a, p = joined.frame(KV, body), split.frame_parts(KV, body)  # each writer's first: with the preamble
     assert isinstance(p, frames.Parts) and len(p) == len(a) and bytes(p) == a
@@ -606,6 +606,14 @@ def test_a_frame_in_parts_is_the_joined_frame_and_its_reader_borrows_only_large_
     assert not any(f.borrowed for f in FrameDecoder().feed(head + a[frames.PREAMBLE.size:]))  # not asked
     read["keys"]["parts"][0] = bytes(read["keys"]["parts"][0])
     assert read == plain
+    # a KV body under VIEWS_FROM (a live pause's last delta) goes to msgpack's C reader: no views
+    little = {"batch": [{**body, "keys": codecs.encode(kv[..., :40, :], "float32", "raw")}] * 30}
+    f = FrameWriter().frame(KV, little)
+    assert len(f) < frames.VIEWS_FROM
+    dec = FrameDecoder(views=True)
+    got = list(dec.feed(head)) + list(dec.feed(f[frames.PREAMBLE.size:]))
+    assert not got[1].borrowed and isinstance(got[1].body["batch"][0]["keys"]["parts"][0], bytes)
+    assert got[1].body == msgpack.unpackb(f[frames.PREAMBLE.size + frames.FRAME_HEAD.size:], raw=False)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -31,6 +31,7 @@ def cache_kind(c) -> str:
     return getattr(type(c), "checkpoint_kind", type(c).__name__)
 
 
+PACKED_BYTES = 1 << 20  # a last delta up to this many bytes of KV is packed by msgpack in one call
 DEVICE_BATCH_BYTES = 64 << 20  # KV copied on an accelerator before one wait: bounds the extra memory
 
 
@@ -298,7 +299,7 @@ class Snapshotter:
         or with ``batch`` one frame for all of them (a small final delta, where
         per-frame costs would dominate). ``lasting``: the pieces stay valid
         (:meth:`lasting`), so with ``parts`` a frame's payloads are referenced, not joined."""
-        bodies = []
+        bodies, raw0 = [], self.raw_kv_bytes
         for i, t0, n, k, v, meta in extracted:
             began = time.perf_counter()
             raw = self.raw_kv_bytes
@@ -322,7 +323,10 @@ class Snapshotter:
                 time.sleep(max(0.0, self._due - now))
             yield frame
         if bodies:
-            yield self.w.frame_packed(KV, {"batch": bodies})  # small copies (borrow=False): one msgpack call
+            # small copies of its own (borrow=False): msgpack packs it in one call. Past
+            # PACKED_BYTES its copies would hold the GIL, where the join lets go of it
+            small = self.raw_kv_bytes - raw0 <= PACKED_BYTES
+            yield (self.w.frame_packed if small else self.w.frame)(KV, {"batch": bodies})
 
     def kv(self, upto: int | None = None, batch: bool = False, extra: list | None = None) -> Iterator[bytes]:
         """KV frames for tokens [sent_tokens, upto) of every layer (a delta) of a

@@ -97,6 +97,31 @@ def test_streamed_deltas_rebuild_the_session(host):
             r.apply(Frame(1, KV, {"batch": bad}, 0))
 
 
+def test_a_small_last_delta_is_packed_in_one_call_and_a_large_one_joined(host, monkeypatch):
+    """msgpack packs a last delta in one call (its copies hold the GIL), only up to
+    PACKED_BYTES of KV; past it the frame is joined as any other. The bytes are the same."""
+    from kvferry.checkpoint import frames
+
+    packed = []
+    real = frames.FrameWriter.frame_packed
+    monkeypatch.setattr(frames.FrameWriter, "frame_packed",
+                        lambda self, kind, obj: packed.append(kind) or real(self, kind, obj))
+    got = []
+    for limit in (snapshot.PACKED_BYTES, 0):
+        monkeypatch.setattr(snapshot, "PACKED_BYTES", limit)
+        s = host.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+        sn = snapshot.Snapshotter(s)
+        chat_turns(s, ["one"])
+        chunks = [sn.header(), *sn.kv()]
+        chat_turns(s, ["two"])
+        n = len(packed)
+        chunks += list(sn.finish())
+        got.append(len(packed) - n)
+        b = restore.restore(host, chunks, session_id=f"packed{limit}")
+        assert b.history == s.history
+    assert got == [1, 0]
+
+
 def test_chunked_stream_appends_in_place(host):
     """Pre-copy sends token ranges of each layer; the target grows each layer once,
     to the size the header announces, and continues exactly."""

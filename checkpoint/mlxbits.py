@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from . import unified
 from .errors import CheckpointError, OutOfMemoryError
 
 
@@ -54,10 +55,12 @@ def host_memory() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def mx_from_bits(u: np.ndarray, dtype: str):
+def mx_from_bits(u: np.ndarray, dtype: str, device: bool = False):
     import mlx.core as mx
 
     a = mx.array(u)
+    if device and not host_memory():
+        unified.to_device(np.array(a, copy=False), wait=True)  # (an array of its own: read in place)
     if dtype in ("float32", "float16", "bfloat16"):
         a = a.view(getattr(mx, dtype))
     return a

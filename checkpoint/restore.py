@@ -231,13 +231,16 @@ class Restorer:
         # (live) restore has nothing left to assemble at commit time.
         import mlx.core as mx
 
+        direct = host_memory() and np_kind(getattr(mx, kd)) is not None  # a final batch too
+        with oom(where):
+            # on a GPU, the bits go up before the lock: their pages reach the device in one DMA
+            sides = None if direct else (mx_from_bits(k, kd, True), mx_from_bits(v, vd, True))
         with oom(where), self.lock if pending is None else contextlib.nullcontext():
             self._reserve(c, t1, k.shape, kd, v.shape, vd, where)
-            direct = np_kind(c.keys.dtype) is not None and host_memory()  # a final batch too
             if direct:
                 mx.eval(c.keys, c.values)  # the room, allocated: written below without the lock
             else:
-                c.update_and_fetch(mx_from_bits(k, kd), mx_from_bits(v, vd))
+                c.update_and_fetch(*sides)
                 if pending is None:
                     mx.eval(c.keys, c.values)
                 else:

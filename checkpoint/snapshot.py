@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from . import codecs, step_ahead
+from . import codecs, step_ahead, unified
 from .errors import CheckpointError
 from .frames import GUEST, HEADER, KV, STATE, FrameWriter
 from .mlxbits import host_memory, joined, mx_bits, mx_bits_lazy, np_kind, split_joined
@@ -33,6 +33,19 @@ def cache_kind(c) -> str:
 
 PACKED_BYTES = 1 << 20  # a last delta up to this many bytes of KV is packed by msgpack in one call
 DEVICE_BATCH_BYTES = 64 << 20  # KV copied on an accelerator before one wait: bounds the extra memory
+
+
+def _read_device(flat: Any) -> np.ndarray:
+    """An evaluated MLX array's bytes, as a numpy array of the host's own. On a GPU,
+    MLX moves the array to managed memory for the CPU to read; its pages are then
+    brought over in one DMA instead of a fault at a time, and sent back once copied, so
+    that the buffer MLX reuses for a later step's output is on the device again."""
+    view = np.array(flat, copy=False)
+    moved = unified.to_host(view)
+    data = view.copy()
+    if moved:
+        unified.to_device(view)
+    return data
 
 
 class Snapshotter:
@@ -221,7 +234,7 @@ class Snapshotter:
                 j += len(queued)
                 self.busy["extract"] += time.perf_counter() - start
             began = time.perf_counter()
-            data = np.array(flat)  # the copy is this thread's: waited for without the lock
+            data = _read_device(flat)  # the copy is this thread's: waited for without the lock
             del flat
             self.busy["extract"] += time.perf_counter() - began
             copies = split_joined(data, parts + ride)  # in the order of parts

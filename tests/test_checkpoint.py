@@ -235,6 +235,62 @@ def test_extract_on_an_accelerator_batches_quantized_parts_exactly(smollm, monke
     h.close()
 
 
+class FakeCudaRuntime:
+    """Stands in for libcudart's prefetch (kvferry.checkpoint.unified): records each
+    move as (where, bytes) and answers ``err``."""
+
+    def __init__(self):
+        self.moves, self.err = [], 0
+
+    def prefetch(self, ptr, nbytes, location, flags, stream):
+        self.moves.append((location.type, nbytes))
+        return self.err
+
+    def sync(self, stream):
+        return 0
+
+
+def test_kv_read_on_a_gpu_crosses_in_one_prefetch_each_way(host, monkeypatch):
+    """On a GPU each batch of KV the source reads comes to the host in one prefetch and
+    goes back once copied; each side a target lands goes to the device before its
+    lock. The bytes are those of the host's path. A runtime that fails is dropped after
+    its first error, and the bytes are still right."""
+    from kvferry.checkpoint import mlxbits, unified
+
+    s = host.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    twin = host.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    chat_turns(s, ["one two three"])
+    chat_turns(twin, ["one two three"])
+    want = [(x[:3], x[3][0].copy(), x[4][0].copy()) for x in snapshot.Snapshotter(s, "raw").extract(chunk=5)]
+    rt = FakeCudaRuntime()
+    monkeypatch.setitem(unified._state, "runtime", rt)
+    monkeypatch.setitem(unified._state, "loaded", True)
+    for mod in (snapshot, restore, mlxbits):
+        monkeypatch.setattr(mod, "host_memory", lambda: False)
+    monkeypatch.setattr(snapshot, "DEVICE_BATCH_BYTES", 3 * want[0][1].nbytes)
+
+    def same(got):  # (layer, start, end, keys, values) against the host's path
+        return len(got) == len(want) and all(x[:3] == y[0] and np.array_equal(x[3][0], y[1])
+                                             and np.array_equal(x[4][0], y[2]) for x, y in zip(got, want))
+    assert same([x[:5] for x in snapshot.Snapshotter(s, "raw").extract(chunk=5)])
+    batches = -(-len(want) // 2)  # two pieces (four sides) reach the batch bound of three sides
+    assert len(rt.moves) == 2 * batches
+    assert [w for w, _ in rt.moves] == [unified.HOST, unified.DEVICE] * batches
+    assert sum(n for w, n in rt.moves if w == unified.HOST) == sum(y[1].nbytes + y[2].nbytes for y in want)
+    # landing: every side of every KV frame moves to the device, and the session goes on as its twin
+    chunks = list(snapshot.snapshot(s, "raw"))
+    rt.moves.clear()
+    b = restore.restore(host, chunks, session_id="landed")
+    assert rt.moves and all(w == unified.DEVICE for w, _ in rt.moves)
+    assert sum(n for _, n in rt.moves) == sum(y[1].nbytes + y[2].nbytes for y in want)
+    assert chat_turns(b, ["four"]) == chat_turns(twin, ["four"])
+    # a runtime that fails once is not asked again
+    rt.moves.clear()
+    rt.err = 1
+    assert same([x[:5] for x in snapshot.Snapshotter(s, "raw").extract(chunk=5)])
+    assert len(rt.moves) == 1 and unified._state["runtime"] is None
+
+
 def test_codecs_roundtrip_and_ratios():
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((1, 3, 200, 64)) * np.exp(rng.standard_normal((1, 3, 1, 64)))).astype(np.float32)

@@ -1,0 +1,98 @@
+"""Where CUDA unified memory's pages sit when KV crosses between host and device.
+
+MLX CUDA computes in device memory. An array the CPU reads is first moved into
+managed memory (``cudaMallocManaged``, a copy on the device), and its pages then
+follow whoever touches them, a fault at a time: the CPU reading a 178 MB batch of
+KV that way ran at ~2.4 GB/s on an H100, and a buffer the CPU read last, once
+MLX reuses it for a step's output, makes the GPU fault every page back. A
+prefetch moves the pages in one DMA before the reader needs them.
+
+MLX does not expose this, so the CUDA runtime is reached through ctypes. On a
+CPU, without the runtime, or after a call fails, every function here does
+nothing and returns False: a prefetch only moves pages, it never changes a byte.
+``KVFERRY_PREFETCH=off`` turns it off (to compare).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from typing import Any
+
+log = logging.getLogger("kvferry.checkpoint")
+
+DEVICE, HOST = 1, 2  # cudaMemLocationType
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _Runtime:
+    """The two calls of libcudart this module makes, typed."""
+
+    def __init__(self, lib: ctypes.CDLL, prefetch_name: str) -> None:
+        self.prefetch = getattr(lib, prefetch_name)
+        self.prefetch.argtypes = [ctypes.c_void_p, ctypes.c_size_t, _Location, ctypes.c_uint, ctypes.c_void_p]
+        self.prefetch.restype = ctypes.c_int
+        self.sync = lib.cudaStreamSynchronize
+        self.sync.argtypes = [ctypes.c_void_p]
+        self.sync.restype = ctypes.c_int
+
+
+_state: dict[str, Any] = {"runtime": None, "loaded": False}
+_lock = threading.Lock()
+
+
+def _load() -> _Runtime | None:
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu or not mx.cuda.is_available() or os.environ.get("KVFERRY_PREFETCH") == "off":
+        return None
+    # CUDA 13 names the location form cudaMemPrefetchAsync; 12.2+ calls it _v2
+    for name, fn in (("libcudart.so.13", "cudaMemPrefetchAsync"), ("libcudart.so.12", "cudaMemPrefetchAsync_v2")):
+        try:
+            return _Runtime(ctypes.CDLL(name), fn)
+        except (OSError, AttributeError):
+            continue
+    log.info("unified memory: no CUDA runtime found; KV pages move by faults")
+    return None
+
+
+def _runtime() -> _Runtime | None:
+    if not _state["loaded"]:
+        with _lock:
+            if not _state["loaded"]:
+                _state["runtime"], _state["loaded"] = _load(), True
+    return _state["runtime"]
+
+
+def _prefetch(view: Any, where: int, wait: bool) -> bool:
+    rt = _runtime()
+    if rt is None or view.nbytes == 0:
+        return False
+    err = rt.prefetch(ctypes.c_void_p(view.ctypes.data), view.nbytes, _Location(where, 0), 0, None)
+    if not err and wait:
+        err = rt.sync(None)
+    if err:  # not managed memory after all, say: stop trying, nothing was changed
+        log.warning("unified memory: prefetch failed (CUDA error %d); KV pages move by faults from now on", err)
+        _state["runtime"] = None
+        return False
+    return True
+
+
+def to_host(view: Any) -> bool:
+    """Move the pages under ``view`` (a numpy view of an MLX array, made by
+    ``np.array(a, copy=False)``, which puts it in managed memory) to the host,
+    and wait: the CPU then reads them at memory speed."""
+    return _prefetch(view, HOST, wait=True)
+
+
+def to_device(view: Any, wait: bool = False) -> bool:
+    """Move the pages under ``view`` to the device (``wait``: and wait). Without
+    waiting, a kernel that touches them before they arrive is still correct
+    (managed memory), only slower: so for a buffer the CPU read last, which goes
+    back to MLX's cache and becomes some later step's output."""
+    return _prefetch(view, DEVICE, wait=wait)

@@ -31,15 +31,29 @@ class _Location(ctypes.Structure):
 
 
 class _Runtime:
-    """The two calls of libcudart this module makes, typed."""
+    """The calls of libcudart this module makes, typed, and a stream of its own:
+    non-blocking, so a prefetch never waits behind MLX's kernels (the legacy
+    default stream would wait for every blocking stream's work)."""
 
     def __init__(self, lib: ctypes.CDLL, prefetch_name: str) -> None:
-        self.prefetch = getattr(lib, prefetch_name)
-        self.prefetch.argtypes = [ctypes.c_void_p, ctypes.c_size_t, _Location, ctypes.c_uint, ctypes.c_void_p]
-        self.prefetch.restype = ctypes.c_int
-        self.sync = lib.cudaStreamSynchronize
-        self.sync.argtypes = [ctypes.c_void_p]
-        self.sync.restype = ctypes.c_int
+        self._prefetch = getattr(lib, prefetch_name)
+        self._prefetch.argtypes = [ctypes.c_void_p, ctypes.c_size_t, _Location, ctypes.c_uint, ctypes.c_void_p]
+        self._prefetch.restype = ctypes.c_int
+        self._sync = lib.cudaStreamSynchronize
+        self._sync.argtypes = [ctypes.c_void_p]
+        self._sync.restype = ctypes.c_int
+        self.stream = ctypes.c_void_p()
+        create = lib.cudaStreamCreateWithFlags
+        create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        create.restype = ctypes.c_int
+        if create(ctypes.byref(self.stream), 1):  # cudaStreamNonBlocking
+            raise OSError("cudaStreamCreateWithFlags failed")
+
+    def prefetch(self, ptr: int, nbytes: int, where: int) -> int:
+        return self._prefetch(ctypes.c_void_p(ptr), nbytes, _Location(where, 0), 0, self.stream)
+
+    def sync(self) -> int:
+        return self._sync(self.stream)
 
 
 _state: dict[str, Any] = {"runtime": None, "loaded": False}
@@ -73,9 +87,9 @@ def _prefetch(view: Any, where: int, wait: bool) -> bool:
     rt = _runtime()
     if rt is None or view.nbytes == 0:
         return False
-    err = rt.prefetch(ctypes.c_void_p(view.ctypes.data), view.nbytes, _Location(where, 0), 0, None)
+    err = rt.prefetch(view.ctypes.data, view.nbytes, where)
     if not err and wait:
-        err = rt.sync(None)
+        err = rt.sync()
     if err:  # not managed memory after all, say: stop trying, nothing was changed
         log.warning("unified memory: prefetch failed (CUDA error %d); KV pages move by faults from now on", err)
         _state["runtime"] = None

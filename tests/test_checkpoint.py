@@ -236,17 +236,17 @@ def test_extract_on_an_accelerator_batches_quantized_parts_exactly(smollm, monke
 
 
 class FakeCudaRuntime:
-    """Stands in for libcudart's prefetch (kvferry.checkpoint.unified): records each
-    move as (where, bytes) and answers ``err``."""
+    """Stands in for libcudart (kvferry.checkpoint.unified._Runtime): records each
+    prefetch as (where, bytes) and answers ``err``."""
 
     def __init__(self):
         self.moves, self.err = [], 0
 
-    def prefetch(self, ptr, nbytes, location, flags, stream):
-        self.moves.append((location.type, nbytes))
+    def prefetch(self, ptr, nbytes, where):
+        self.moves.append((where, nbytes))
         return self.err
 
-    def sync(self, stream):
+    def sync(self):
         return 0
 
 

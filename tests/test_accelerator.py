@@ -216,3 +216,22 @@ def test_compiled_gpu_kernels_are_kept_under_kvferry_home_per_mlx_version(tmp_pa
     assert keep_kernels() == str(want) == os.environ[KERNEL_CACHE]  # read by MLX at its first compile
     monkeypatch.setenv(KERNEL_CACHE, str(tmp_path / "mine"))
     assert keep_kernels() == str(tmp_path / "mine")  # the user's own setting wins
+
+
+def test_unified_memory_bench_runs():
+    """bench/unified_memory.py (a KV batch read and landed, with and without the
+    prefetch): every pair runs, its reads check the bytes, and on a CPU the
+    prefetch reports itself unavailable."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "unified_memory.py"
+    r = subprocess.run([sys.executable, str(script), "--mb", "2", "--reps", "1", "--json"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["prefetch"] is False and out["device"]["kind"] == "cpu"
+    for k in ("read", "next_kernel_after", "land"):
+        assert out[f"{k}_plain_ms"] > 0 and out[f"{k}_prefetched_ms"] > 0

@@ -268,6 +268,7 @@ def test_kv_read_on_a_gpu_crosses_in_one_prefetch_each_way(host, monkeypatch):
     for mod in (snapshot, restore, mlxbits):
         monkeypatch.setattr(mod, "host_memory", lambda: False)
     monkeypatch.setattr(snapshot, "DEVICE_BATCH_BYTES", 3 * want[0][1].nbytes)
+    monkeypatch.setattr(unified, "MIN_BYTES", 1)  # this model's sides are a few hundred bytes
 
     def same(got):  # (layer, start, end, keys, values) against the host's path
         return len(got) == len(want) and all(x[:3] == y[0] and np.array_equal(x[3][0], y[1])
@@ -283,7 +284,14 @@ def test_kv_read_on_a_gpu_crosses_in_one_prefetch_each_way(host, monkeypatch):
     b = restore.restore(host, chunks, session_id="landed")
     assert rt.moves and all(w == unified.DEVICE for w, _ in rt.moves)
     assert sum(n for _, n in rt.moves) == sum(y[1].nbytes + y[2].nbytes for y in want)
-    assert chat_turns(b, ["four"]) == chat_turns(twin, ["four"])
+    reply = chat_turns(b, ["four"])
+    assert reply == chat_turns(twin, ["four"])
+    # sides under the size a prefetch pays for land without one (a live pause's last delta)
+    monkeypatch.setattr(unified, "MIN_BYTES", sum(y[1].nbytes + y[2].nbytes for y in want) + 1)
+    rt.moves.clear()
+    c = restore.restore(host, chunks, session_id="landed-small")
+    assert rt.moves == [] and chat_turns(c, ["four"]) == reply
+    monkeypatch.setattr(unified, "MIN_BYTES", 1)
     # a runtime that fails once is not asked again
     rt.moves.clear()
     rt.err = 1

@@ -235,7 +235,13 @@ class Restorer:
         with oom(where):
             # on a GPU, the bits go up before the lock: their pages reach the device in one DMA
             sides = None if direct else (mx_from_bits(k, kd, True), mx_from_bits(v, vd, True))
+            # on a CPU, a layer's first room is written before the lock: its pages are new to
+            # the process, and a VM charges each one's first write (~2.5 ms a MB on this
+            # project's machines), which under the lock would stall the host's other sessions
+            room = self._room(c, t1, k.shape, kd, v.shape, vd, where) if direct and pending is None else None
         with oom(where), self.lock if pending is None else contextlib.nullcontext():
+            if room is not None and c.keys is None:
+                c.state = (*room, c.offset)
             self._reserve(c, t1, k.shape, kd, v.shape, vd, where)
             if direct:
                 mx.eval(c.keys, c.values)  # the room, allocated: written below without the lock
@@ -281,6 +287,29 @@ class Restorer:
             raise CheckpointError(f"{where}: declares {dtype}{shape}, this model's KV is {want}")
         return shape[1] * shape[2] * shape[3] * codecs.DTYPES[dtype][1]
 
+    def _capacity(self, c, t1: int, kshape, kdtype: str, vshape, vdtype: str, where: str) -> int:
+        """The tokens :meth:`_reserve` grows a layer to for token ``t1`` (0: it has room),
+        charged to the KV budget."""
+        cap = 0 if c.keys is None else c.keys.shape[2]
+        if t1 <= cap:
+            return 0
+        hint = self.header["cache"].get("tokens")
+        hint = hint if isinstance(hint, int) and 0 <= hint <= self.context else 0  # the model's, not the file's
+        new = max(t1, hint + c.step if cap == 0 else 2 * cap)
+        new = -(-new // c.step) * c.step
+        per_token = kshape[1] * kshape[3] * codecs.DTYPES[kdtype][1] + vshape[1] * vshape[3] * codecs.DTYPES[vdtype][1]
+        self._admit(0, where, reserve=(new - cap) * per_token)
+        return new
+
+    def _room(self, c, t1: int, kshape, kdtype: str, vshape, vdtype: str, where: str) -> tuple | None:
+        """A layer's first room, as :meth:`_reserve` makes it, made without an MLX op:
+        numpy's zeros copied into new MLX arrays (None: the layer has a room already)."""
+        if c.keys is not None:
+            return None
+        new = self._capacity(c, t1, kshape, kdtype, vshape, vdtype, where)
+        return tuple(mx_from_bits(np.zeros((shape[0], shape[1], new, shape[3]), codecs.DTYPES[dt][0]), dt)
+                     for shape, dt in ((kshape, kdtype), (vshape, vdtype)))
+
     def _reserve(self, c, t1: int, kshape, kdtype: str, vshape, vdtype: str, where: str) -> None:
         """Grow a layer's cache ahead of token ``t1``, once, to the token count the
         header announces (never past the session's context; charged to the KV
@@ -288,15 +317,9 @@ class Restorer:
         layer every 256 tokens as ``KVCache`` would; past it, by doubling."""
         import mlx.core as mx
 
-        cap = 0 if c.keys is None else c.keys.shape[2]
-        if t1 <= cap:
+        new = self._capacity(c, t1, kshape, kdtype, vshape, vdtype, where)
+        if not new:
             return
-        hint = self.header["cache"].get("tokens")
-        hint = hint if isinstance(hint, int) and 0 <= hint <= self.context else 0  # the model's, not the file's
-        new = max(t1, hint + c.step if cap == 0 else 2 * cap)
-        new = -(-new // c.step) * c.step
-        per_token = kshape[1] * kshape[3] * codecs.DTYPES[kdtype][1] + vshape[1] * vshape[3] * codecs.DTYPES[vdtype][1]
-        self._admit(0, where, reserve=(new - cap) * per_token)
         grown = []
         for old, shape, dt in ((c.keys, kshape, kdtype), (c.values, vshape, vdtype)):
             dt = getattr(mx, dt)

@@ -153,6 +153,46 @@ def test_chunked_stream_appends_in_place(host):
     assert r.caches[0].keys.shape[2] <= 512
 
 
+def test_a_layers_first_room_is_written_before_the_compute_lock(host, monkeypatch):
+    """On a CPU a landing layer's room is made and written before the host's compute
+    lock is taken (its pages are new to the process, and a VM charges each one's first
+    write: under the lock that stalled the host's other sessions). No MLX op makes it
+    with the lock held, and the landed session goes on as its twin."""
+    import mlx.core as mx
+
+    s = host.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    twin = host.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    chat_turns(s, ["one two three"])
+    chat_turns(twin, ["one two three"])
+    chunks = list(snapshot.snapshot(s, "raw"))
+    held, zeros_held, zeros = [False], [], mx.zeros
+
+    class Watched:
+        def __init__(self, lock):
+            self.inner = lock
+
+        def __enter__(self):
+            self.inner.__enter__()
+            held[0] = True
+
+        def __exit__(self, *exc):
+            held[0] = False
+            self.inner.__exit__(*exc)
+
+    def watched_zeros(*a, **k):
+        zeros_held.append(held[0])
+        return zeros(*a, **k)
+    monkeypatch.setattr(mx, "zeros", watched_zeros)
+    r = restore.Restorer(host, session_id="roomy")
+    r.lock = Watched(r.lock)
+    for f in iter_frames(chunks):
+        r.apply(f)
+    assert not any(zeros_held)
+    assert all(c.keys.shape[2] >= len(s.history) for c in r.caches)
+    b = host.adopt(r.commit())
+    assert chat_turns(b, ["four"]) == chat_turns(twin, ["four"])
+
+
 def test_a_session_held_still_is_framed_by_reference_and_a_running_one_by_copy(host):
     """With ``parts``, the KV of a session held still comes as frames.Parts that reference its
     cache (and equal the joined frames byte for byte); pieces copied under the compute lock, which

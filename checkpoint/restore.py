@@ -236,11 +236,11 @@ class Restorer:
             # on a GPU, the bits go up before the lock: their pages reach the device in one DMA
             sides = None if direct else (mx_from_bits(k, kd, True), mx_from_bits(v, vd, True))
             # on a CPU, a layer's first room is written before the lock: its pages are new to
-            # the process, and a VM charges each one's first write (~2.5 ms a MB on this
-            # project's machines), which under the lock would stall the host's other sessions
+            # the process, and a VM charges each one's first write (up to ~2.5 ms a MB on
+            # this project's machines), which under the lock would stall the host's other sessions
             room = self._room(c, t1, k.shape, kd, v.shape, vd, where) if direct and pending is None else None
         with oom(where), self.lock if pending is None else contextlib.nullcontext():
-            if room is not None and c.keys is None:
+            if room is not None:  # (only this restorer writes this layer's cache)
                 c.state = (*room, c.offset)
             self._reserve(c, t1, k.shape, kd, v.shape, vd, where)
             if direct:

@@ -109,6 +109,7 @@ class SessionHost:
         from .policy import HostPolicy
         from .server import HostServer
         from .transport import TLSConfig
+        from . import warm_migration
 
         keys = take_over(keys_file) if keys_file else None
         self.host = ModelHost(model, dtype=dtype, progress=False, max_kv_bytes=max_kv_bytes,
@@ -117,6 +118,8 @@ class SessionHost:
         self.host.preload()
         if self.host.device.is_gpu:  # a CPU has no kernels to compile on first use
             self.host.warm()
+            if warm_migration.enabled():  # nor a first migration to pay for (kvferry.warm_migration)
+                warm_migration.warm_logged(self.host)
         self.ctl = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
         node = f"{socket.gethostname()}/{ray.get_runtime_context().get_node_id()[:8]}"
         self.srv = HostServer(self.host, bind, keys=keys, tls=TLSConfig(**tls) if tls else None,

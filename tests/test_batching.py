@@ -570,6 +570,43 @@ def test_a_checkpoint_with_a_guess_in_flight_continues_identically(speculating, 
     speculating.close_session(y.id)
 
 
+def _moved_at_start(h) -> dict:
+    """kvferry.warm_migration on ``h``: what it moved, checked against a reply never moved."""
+    from kvferry.warm_migration import PROMPT, warm_migration
+
+    before = h.steps.stats["landed_steps"]
+    out = warm_migration(h)
+    assert not h.sessions and not h.admission.running  # both sessions closed
+    assert not h.steps.held and not h.steps.guesses  # and nothing of theirs kept by the scheduler
+    twin = h.create_session(sampling=greedy(len(out["tokens"])))
+    ref = [e.token for e in twin.send(PROMPT) if e.token >= 0]
+    h.close_session(twin.id)
+    assert out["tokens"] == ref  # the landed reply went on as the unmoved one
+    assert h.steps.stats["landed_steps"] - before == out["ahead"]
+    return out
+
+
+def test_the_migration_made_at_start_lands_the_step_run_ahead(speculating):
+    """A GPU host moves a reply of its own mid-way at start (kvferry.warm_migration):
+    on a speculating host the step its source ran ahead goes along, as in a live migration."""
+    assert _moved_at_start(speculating)["ahead"]
+
+
+def test_the_migration_made_at_start_works_in_every_step_layout(host):
+    _moved_at_start(host)
+
+
+def test_a_failed_migration_at_start_is_a_warning_not_a_host_that_fails(caplog):
+    from kvferry.warm_migration import warm_logged
+
+    class Broken:
+        def create_session(self, *a, **k):
+            raise MemoryError("no room")
+    with caplog.at_level("WARNING", logger="kvferry.host"):
+        warm_logged(Broken())
+    assert "MemoryError: no room" in caplog.text and caplog.text.count("\n") == 1
+
+
 def test_sampling_sessions_are_not_speculated(speculating):
     sp = SamplingParams(temperature=0.8, top_k=40, seed=7, ignore_eos=True, max_tokens=12)
     before = speculating.steps.stats["speculated"]

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvferry.guests import GUESTS_DIR
-from kvferry.checkpoint import blob, codecs, quant, restore, snapshot
+from kvferry.checkpoint import blob, codecs, kv_landing, quant, restore, snapshot
 from kvferry.checkpoint.errors import CheckpointError
 from kvferry.checkpoint.frames import HEADER, KV, STATE, TRAILER, Frame, FrameDecoder, FrameWriter, Parts, iter_frames
 from kvferry.host import ModelHost
@@ -305,7 +305,7 @@ def test_kv_read_on_a_gpu_crosses_in_one_prefetch_each_way(host, monkeypatch):
     rt = FakeCudaRuntime()
     monkeypatch.setitem(unified._state, "runtime", rt)
     monkeypatch.setitem(unified._state, "loaded", True)
-    for mod in (snapshot, restore, mlxbits):
+    for mod in (snapshot, kv_landing, mlxbits):
         monkeypatch.setattr(mod, "host_memory", lambda: False)
     monkeypatch.setattr(snapshot, "DEVICE_BATCH_BYTES", 3 * want[0][1].nbytes)
     monkeypatch.setattr(unified, "MIN_BYTES", 1)  # this model's sides are a few hundred bytes

@@ -1,12 +1,12 @@
 """A GPU host's first live migration, made once at start on a session of its own.
 
-A fresh H100 host's first live migration in paused 36-47 ms where its later ones
-paused ~22: the target's landing of the last delta and its build of the session
-took 19-27 ms against 7-10 (the session's build alone 8-10 against 4-5), in four
-runs of ``kvferry bench migrate --contexts 1024 2048 2048 --modes live`` (stop 63,
-docs/performance-log.md). Idle sessions landed on that host before (the bench's
-stop-and-copy transfers) did not spare it, and a CPU host shows no such first
-time: what it pays is MLX CUDA meeting, in that process, the pieces only a reply
+A fresh H100 host's first live migration in had a downtime of 37-49 ms, where the
+later ones had medians of 22-28: the target's landing of the last delta and its
+build of the session took 19-27 ms against 7-14 (the build alone 8-10 against
+3-5), in four runs of ``kvferry bench migrate --contexts 1024 2048 2048 --modes
+live`` (stop 63, docs/performance-log.md). Idle sessions landed on that host
+before (the bench's stop-and-copy transfers) did not spare it, and a CPU host
+shows no such first time: what it pays is MLX CUDA meeting, in that process, the pieces only a reply
 moved mid-way has (the step its source ran ahead, a last delta of a few tokens
 landed as one batch, a turn in flight).
 

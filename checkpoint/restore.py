@@ -2,9 +2,9 @@
 
 A :class:`Restorer` verifies and applies frames as they arrive (KV straight into
 the layer caches, :mod:`kvferry.checkpoint.kv_landing`, so a streamed live
-migration has nothing left to assemble at commit) and builds the session only after the trailer checks out; the caller
-registers it (``ModelHost.adopt``), so a failed restore never leaves half a
-session behind. Every size is checked against the model before it is allocated.
+migration has nothing left to assemble at commit) and builds the session only
+after the trailer checks out; the caller registers it (``ModelHost.adopt``), so
+a failed restore never leaves half a session behind. Every size is checked against the model before it is allocated.
 """
 
 from __future__ import annotations

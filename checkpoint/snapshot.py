@@ -341,6 +341,12 @@ class Snapshotter:
             small = self.raw_kv_bytes - raw0 <= PACKED_BYTES
             yield (self.w.frame_packed if small else self.w.frame)(KV, {"batch": bodies})
 
+    def precopy(self, upto: int, lock: Any, chunk: int) -> Iterator[bytes]:
+        """Live pre-copy's KV frames for tokens [sent_tokens, upto) of a session that goes
+        on generating: copied in ``chunk``-token pieces under short holds of ``lock`` (its
+        host's compute lock), each encoded outside them and yielded as soon as it is."""
+        return self.encode(self.extract(upto, lock=lock, chunk=chunk), lasting=self.lasting(lock))
+
     def kv(self, upto: int | None = None, batch: bool = False, extra: list | None = None) -> Iterator[bytes]:
         """KV frames for tokens [sent_tokens, upto) of every layer (a delta) of a
         session held still. Shared buffers are read under the compute lock: a small

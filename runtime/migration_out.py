@@ -111,10 +111,7 @@ class MigrationSource:
                     with self.host.compute:
                         upto = len(s.history)
                     sn.rate = t.rate or precopy_rate(s, self.host.device.kind)
-                    # short holds of the compute lock to copy, encoding outside them;
-                    # each frame goes out as soon as it is encoded
-                    link.send(sn.encode(sn.extract(upto, lock=self.host.compute, chunk=chunk),
-                                        lasting=sn.lasting(self.host.compute)))
+                    link.send(sn.precopy(upto, self.host.compute, chunk))
                     # the target lands what it was sent before the pause, not in it: a
                     # backlog (up to the window) landed inside the pause lengthened it
                     link.settle()

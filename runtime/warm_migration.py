@@ -59,8 +59,7 @@ def warm_migration(host: Any) -> dict:
         sn = Snapshotter(src, "raw")
         frames = [sn.header()]
         # pre-copy: short holds of the compute lock while the reply goes on
-        frames += sn.encode(sn.extract(len(src.history), lock=host.compute, chunk=sn.chunk_tokens(PRECOPY_CHUNK)),
-                            lasting=sn.lasting(host.compute))
+        frames += sn.precopy(len(src.history), host.compute, sn.chunk_tokens(PRECOPY_CHUNK))
         head += [next(reply).token for _ in range(AHEAD)]
         while not host.steps.still(src):  # a boundary with no step run on past it, as a pause waits for
             head.append(next(reply).token)

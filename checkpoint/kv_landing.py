@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from . import codecs
+from . import codecs, unified
 from .errors import CheckpointError, OutOfMemoryError
-from .mlxbits import cast_bits, host_memory, mx_from_bits, np_kind, oom
+from .mlxbits import cast_bits, host_memory, mx_bits_lazy, mx_from_bits, np_kind, oom
 
 MAX_TOKENS = 1 << 22
 
@@ -25,7 +25,8 @@ MAX_TOKENS = 1 << 22
 class KVLanding:
     """Reads the Restorer's ``host``, ``header``, ``chunks``, ``caches``, ``lock``,
     ``borrowed``, ``kv_heads``, ``head_dim``, ``kv_dtype``, ``context``, and keeps
-    its ``kv_bytes``, ``reserved`` and ``_charged``."""
+    its ``kv_bytes``, ``reserved``, ``_charged`` and ``_views`` (on a GPU, each
+    layer's room as the copy engine writes it)."""
 
     def _admit(self, nbytes: int, where: str, reserve: int = 0) -> None:
         """Refuse KV beyond the host's budget (``serve --max-kv-mb``) before allocating
@@ -100,9 +101,12 @@ class KVLanding:
         import mlx.core as mx
 
         direct = host_memory() and np_kind(getattr(mx, kd)) is not None  # a final batch too
+        # on a GPU, by the copy engine straight into the room (unified.land); a final batch,
+        # a few tokens a layer under the lock, goes with the step's one evaluation
+        dma = not host_memory() and pending is None and unified.available()
         with oom(where):
-            # on a GPU, the bits go up before the lock: their pages reach the device in one DMA
-            sides = None if direct else (mx_from_bits(k, kd, True), mx_from_bits(v, vd, True))
+            # else on a GPU, the bits go up before the lock: their pages reach the device in one DMA
+            sides = None if direct or dma else (mx_from_bits(k, kd, True), mx_from_bits(v, vd, True))
             # on a CPU, a layer's first room is written before the lock: its pages are new to
             # the process, and a VM charges each one's first write (up to ~2.5 ms a MB on
             # this project's machines), which under the lock would stall the host's other sessions
@@ -111,7 +115,7 @@ class KVLanding:
             if room is not None:  # (only this restorer writes this layer's cache)
                 c.state = (*room, c.offset)
             self._reserve(c, t1, k.shape, kd, v.shape, vd, where)
-            if direct:
+            if direct or dma:
                 mx.eval(c.keys, c.values)  # the room, allocated: written below without the lock
             else:
                 c.update_and_fetch(*sides)
@@ -119,6 +123,12 @@ class KVLanding:
                     mx.eval(c.keys, c.values)
                 else:
                     pending += [c.keys, c.values]
+        if dma and not self._dma(i, c, k, v, t0):  # the runtime failed: through MLX after all
+            with oom(where), self.lock:
+                c.update_and_fetch(mx_from_bits(k, kd, True), mx_from_bits(v, vd, True))
+                mx.eval(c.keys, c.values)
+        elif dma:
+            c.offset = t1
         if direct:
             # numpy copies the range straight into the cache's buffer: one copy, no MLX
             # op, and no hold of the compute lock (this session is not running yet)
@@ -128,6 +138,16 @@ class KVLanding:
                 del view
             c.offset = t1
         self.chunks[i].append((t0, t1, None))
+
+    def _dma(self, i: int, c, k: np.ndarray, v: np.ndarray, t0: int) -> bool:
+        """Layer ``i``'s keys and values at token ``t0`` by the copy engine (False: not made).
+        Each room's view is made once (MLX moves the room into unified memory then, a copy
+        on the device) and kept while the room is the cache's."""
+        views = self._views.get(i)
+        if views is None or views[0] is not c.keys or views[1] is not c.values:
+            bits = [np.array(mx_bits_lazy(a)[0], copy=False) for a in (c.keys, c.values)]
+            self._views[i] = views = (c.keys, c.values, *bits)
+        return unified.land(views[2], k, t0) and unified.land(views[3], v, t0)
 
     def _kept(self, a: np.ndarray) -> np.ndarray:
         """A decoded blob that outlives its frame: its own copy if the frame's payloads

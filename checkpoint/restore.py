@@ -60,6 +60,7 @@ class Restorer(KVLanding):
         self.kv_bytes = 0  # KV received so far
         self.reserved = 0  # cache room allocated (tokens received and to come)
         self._charged = [0]  # reserved in the host's count (ModelHost.kv_reserved)
+        self._views: dict = {}  # layer -> its room, as KVLanding._dma writes it
         self._guest = None  # the session's guest, instantiated at the header (see _guest_ahead)
         weakref.finalize(self, _release, host, self._charged)  # an abandoned restore gives it back too
 
@@ -166,6 +167,7 @@ class Restorer(KVLanding):
 
         if not self.done:
             raise CheckpointError("truncated: no verified trailer")
+        self._views.clear()  # the rooms' host views: none may outlive the landing
         if self.state is None or self.guest is None:
             raise CheckpointError("checkpoint lacks its state or guest frame")
         h, st, g = self.header, self.state, self.guest

@@ -7,10 +7,17 @@ of KV, read that way, took 74 ms on an H100), and a buffer the CPU read last, on
 MLX reuses it for a step's output, makes the GPU fault every page back. A
 prefetch moves the pages in one DMA before the reader needs them.
 
+A landing's KV goes the other way by the copy engine (:func:`land`): a host
+buffer copied into MLX (``mx.array``) and then into the cache by a kernel cost
+0.63 ms a MB on an H100, each piece's host write faulting in pages the last
+piece had sent to the device; one ``cudaMemcpy2DAsync`` straight into the
+cache's room took 0.19.
+
 MLX does not expose this, so the CUDA runtime is reached through ctypes. On a
 CPU, without the runtime, or after a call fails, every function here does
-nothing and returns False: a prefetch only moves pages, it never changes a byte.
-Nor for a buffer under ``MIN_BYTES``.
+nothing and returns False: a prefetch only moves pages, it never changes a byte,
+and a landing that returns False is made the other way by its caller.
+Nor is a buffer under ``MIN_BYTES`` prefetched.
 ``KVFERRY_PREFETCH=off`` turns it off (to compare).
 """
 
@@ -44,6 +51,10 @@ class _Runtime:
         self._prefetch = getattr(lib, prefetch_name)
         self._prefetch.argtypes = [ctypes.c_void_p, ctypes.c_size_t, _Location, ctypes.c_uint, ctypes.c_void_p]
         self._prefetch.restype = ctypes.c_int
+        self._copy2d = lib.cudaMemcpy2DAsync
+        self._copy2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                                 ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        self._copy2d.restype = ctypes.c_int
         self._sync = lib.cudaStreamSynchronize
         self._sync.argtypes = [ctypes.c_void_p]
         self._sync.restype = ctypes.c_int
@@ -59,6 +70,13 @@ class _Runtime:
 
     def sync(self) -> int:
         return self._sync(self.stream)
+
+    def copy_2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> int:
+        """``height`` rows of ``width`` bytes, and wait (cudaMemcpyDefault: unified addressing
+        tells host from device)."""
+        err = self._copy2d(ctypes.c_void_p(dst), dpitch, ctypes.c_void_p(src), spitch, width, height, 4,
+                           self.stream)
+        return err or self.sync()
 
 
 _state: dict[str, Any] = {"runtime": None, "loaded": False}
@@ -104,6 +122,11 @@ def _prefetch(view: Any, where: int, wait: bool) -> bool:
     return True
 
 
+def available() -> bool:
+    """Whether the CUDA runtime is reached (a GPU host, prefetch not turned off)."""
+    return _runtime() is not None
+
+
 def to_host(view: Any) -> bool:
     """Move the pages under ``view`` (a numpy view of an MLX array, made by
     ``np.array(a, copy=False)``, which puts it in managed memory) to the host,
@@ -117,3 +140,26 @@ def to_device(view: Any, wait: bool = False) -> bool:
     (managed memory), only slower: so for a buffer the CPU read last, which goes
     back to MLX's cache and becomes some later step's output."""
     return _prefetch(view, DEVICE, wait=wait)
+
+
+def land(dst: Any, src: Any, t0: int) -> bool:
+    """Copy ``src`` (a C-contiguous ``[1, heads, n, head_dim]`` numpy array of KV bits)
+    into tokens ``[t0, t0 + n)`` of ``dst`` (a numpy view, ``np.array(a, copy=False)``,
+    of a cache's ``[1, heads, capacity, head_dim]`` MLX array of the same item size:
+    unified memory), one row a head, by the device's copy engine; returns once it is
+    there. No CPU touch of ``dst``, so its pages stay on the device."""
+    rt = _runtime()
+    if rt is None:
+        return False
+    b, h, cap, d = dst.shape
+    n = src.shape[2]
+    if (b != 1 or src.shape != (1, h, n, d) or src.itemsize != dst.itemsize or not src.flags.c_contiguous
+            or not dst.flags.c_contiguous or t0 + n > cap):
+        return False
+    row = d * dst.itemsize
+    err = rt.copy_2d(dst.ctypes.data + t0 * row, cap * row, src.ctypes.data, n * row, n * row, h)
+    if err:
+        log.warning("unified memory: a landing's copy failed (CUDA error %d); KV lands through MLX from now on", err)
+        _state["runtime"] = None
+        return False
+    return True

@@ -280,7 +280,7 @@ class FakeCudaRuntime:
     prefetch as (where, bytes) and answers ``err``."""
 
     def __init__(self):
-        self.moves, self.err = [], 0
+        self.moves, self.err, self.copies, self.copy_err = [], 0, [], 0
 
     def prefetch(self, ptr, nbytes, where):
         self.moves.append((where, nbytes))
@@ -289,12 +289,23 @@ class FakeCudaRuntime:
     def sync(self):
         return 0
 
+    def copy_2d(self, dst, dpitch, src, spitch, width, height):  # host memory here: copied for real
+        import ctypes
+
+        self.copies.append(width * height)
+        if self.copy_err:
+            return self.copy_err
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+        return 0
+
 
 def test_kv_read_on_a_gpu_crosses_in_one_prefetch_each_way(host, monkeypatch):
     """On a GPU each batch of KV the source reads comes to the host in one prefetch and
-    goes back once copied; each side a target lands goes to the device before its
-    lock. The bytes are those of the host's path. A runtime that fails is dropped after
-    its first error, and the bytes are still right."""
+    goes back once copied; each side a target lands goes by the copy engine straight
+    into its layer's room, no MLX op and no prefetch. The bytes are those of the host's
+    path. A runtime that fails is dropped after its first error, and the bytes (and
+    the landed session) are still right."""
     from kvferry.checkpoint import mlxbits, unified
 
     s = host.create_session(sampling=SamplingParams(max_tokens=6, ignore_eos=True))
@@ -318,20 +329,18 @@ def test_kv_read_on_a_gpu_crosses_in_one_prefetch_each_way(host, monkeypatch):
     assert len(rt.moves) == 2 * batches
     assert [w for w, _ in rt.moves] == [unified.HOST, unified.DEVICE] * batches
     assert sum(n for w, n in rt.moves if w == unified.HOST) == sum(y[1].nbytes + y[2].nbytes for y in want)
-    # landing: every side of every KV frame moves to the device, and the session goes on as its twin
+    # landing: every side of every KV frame is copied into its room, and the session goes on as its twin
     chunks = list(snapshot.snapshot(s, "raw"))
     rt.moves.clear()
     b = restore.restore(host, chunks, session_id="landed")
-    assert rt.moves and all(w == unified.DEVICE for w, _ in rt.moves)
-    assert sum(n for _, n in rt.moves) == sum(y[1].nbytes + y[2].nbytes for y in want)
+    assert rt.moves == [] and sum(rt.copies) == sum(y[1].nbytes + y[2].nbytes for y in want)
     reply = chat_turns(b, ["four"])
     assert reply == chat_turns(twin, ["four"])
-    # sides under the size a prefetch pays for land without one (a live pause's last delta)
-    monkeypatch.setattr(unified, "MIN_BYTES", sum(y[1].nbytes + y[2].nbytes for y in want) + 1)
-    rt.moves.clear()
-    c = restore.restore(host, chunks, session_id="landed-small")
-    assert rt.moves == [] and chat_turns(c, ["four"]) == reply
-    monkeypatch.setattr(unified, "MIN_BYTES", 1)
+    # a copy that fails lands through MLX (each side to the device first), and the runtime is dropped
+    rt.copy_err = 1
+    c = restore.restore(host, chunks, session_id="landed-by-mlx")
+    assert unified._state["runtime"] is None and chat_turns(c, ["four"]) == reply
+    unified._state["runtime"], rt.copy_err = rt, 0
     # a runtime that fails once is not asked again
     rt.moves.clear()
     rt.err = 1
@@ -484,6 +493,42 @@ def test_unknown_version(host, good):
     bad[8] = 7
     with pytest.raises(CheckpointError, match="unknown checkpoint format version 7"):
         restore_bytes(host, bytes(bad))
+
+
+def test_a_version_1_checkpoint_still_restores_and_is_still_checked(host, good):
+    """Version 1 (xxh64 frames, a digest of every byte) is still read, with every check."""
+    from kvferry.checkpoint import frames
+
+    w = FrameWriter(version=1)
+    old = b"".join(w.frame(f.kind, f.body) for f in iter_frames([good]) if f.kind != TRAILER) + w.trailer()
+    assert old[8] == 1 and good[8] == frames.FORMAT_VERSION == 2
+    s = restore.restore(host, [old])
+    assert list(host.sessions) == [s.id] and s.state().history
+    host.close_session(s.id)
+    (at, n), = frame_offsets(old)[2:3]
+    bad = bytearray(old)
+    bad[at + n - 1] ^= 1
+    with pytest.raises(CheckpointError, match=r"frame 2 \(kv\): checksum mismatch"):
+        restore_bytes(host, bytes(bad))
+    assert not host.sessions
+
+
+def test_the_digest_of_frame_heads_catches_a_frame_dropped_or_moved(host, good):
+    """Since version 2 the trailer's digest covers the frame heads, each with its body's
+    checksum: a whole frame left out, repeated or moved is caught there (each frame's
+    own checksum still holds)."""
+    offs = frame_offsets(good)
+    frames_ = [good[at:at + n] for at, n in offs]
+    kv = [i for i, f in enumerate(frames_) if f[0] == KV]
+    assert len(kv) >= 2
+    pre = good[:offs[0][0]]
+    a, b = kv[0], kv[1]
+    moved = frames_[:a] + [frames_[b], frames_[a]] + frames_[a + 1:b] + frames_[b + 1:]
+    for variant in (moved, frames_[:a] + frames_[a + 1:], frames_[:a + 1] + frames_[a:]):
+        with pytest.raises(CheckpointError) as e:
+            restore_bytes(host, pre + b"".join(variant))
+        assert "\n" not in str(e.value)
+    assert not host.sessions
 
 
 def test_other_model_is_refused(good, tmp_path):
@@ -659,7 +704,7 @@ def test_a_frame_joins_large_payloads_into_msgpacks_own_bytes():
 
     def packed(obj):
         body = msgpack.packb(obj, use_bin_type=True)
-        return frames.FRAME_HEAD.pack(KV, 0, 0, len(body), xxhash.xxh64(bytes([KV]) + body).intdigest()) + body
+        return frames.FRAME_HEAD.pack(KV, 0, 0, len(body), xxhash.xxh3_64(bytes([KV]) + body).intdigest()) + body
 
     rng = np.random.default_rng(0)
     for n in (0, 255, 256, frames.SPLICE_BYTES - 1, frames.SPLICE_BYTES, (1 << 16) + 1, (3 << 19) + 7):

@@ -142,24 +142,49 @@ def to_device(view: Any, wait: bool = False) -> bool:
     return _prefetch(view, DEVICE, wait=wait)
 
 
+def read(src: Any, t0: int, dst: Any) -> bool:
+    """Copy tokens ``[t0, t0 + n)`` of ``src`` (a numpy view of a cache's ``[1, heads,
+    capacity, head_dim]`` MLX array: unified memory) into ``dst`` (a C-contiguous
+    ``[1, heads, n, head_dim]`` host array of the same item size), one row a head, by
+    the device's copy engine; returns once it is there. The pages stay on the device:
+    no prefetch there and back, and no MLX op to gather the range first."""
+    if not _shapes_fit(src, dst, t0):
+        return False
+    row = src.shape[3] * src.itemsize
+    n = dst.shape[2]
+    return _copy(dst.ctypes.data, n * row, src.ctypes.data + t0 * row, src.shape[2] * row, n * row, src.shape[1],
+                 "a read")
+
+
+def _shapes_fit(cache: Any, part: Any, t0: int) -> bool:
+    b, h, cap, d = cache.shape
+    n = part.shape[2]
+    return (b == 1 and part.shape == (1, h, n, d) and part.itemsize == cache.itemsize and part.flags.c_contiguous
+            and cache.flags.c_contiguous and t0 + n <= cap)
+
+
+def _copy(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, what: str) -> bool:
+    rt = _runtime()
+    if rt is None:
+        return False
+    err = rt.copy_2d(dst, dpitch, src, spitch, width, height)
+    if err:
+        log.warning("unified memory: %s by the copy engine failed (CUDA error %d); KV crosses through MLX "
+                    "from now on", what, err)
+        _state["runtime"] = None
+        return False
+    return True
+
+
 def land(dst: Any, src: Any, t0: int) -> bool:
     """Copy ``src`` (a C-contiguous ``[1, heads, n, head_dim]`` numpy array of KV bits)
     into tokens ``[t0, t0 + n)`` of ``dst`` (a numpy view, ``np.array(a, copy=False)``,
     of a cache's ``[1, heads, capacity, head_dim]`` MLX array of the same item size:
     unified memory), one row a head, by the device's copy engine; returns once it is
     there. No CPU touch of ``dst``, so its pages stay on the device."""
-    rt = _runtime()
-    if rt is None:
+    if not _shapes_fit(dst, src, t0):
         return False
-    b, h, cap, d = dst.shape
+    row = dst.shape[3] * dst.itemsize
     n = src.shape[2]
-    if (b != 1 or src.shape != (1, h, n, d) or src.itemsize != dst.itemsize or not src.flags.c_contiguous
-            or not dst.flags.c_contiguous or t0 + n > cap):
-        return False
-    row = d * dst.itemsize
-    err = rt.copy_2d(dst.ctypes.data + t0 * row, cap * row, src.ctypes.data, n * row, n * row, h)
-    if err:
-        log.warning("unified memory: a landing's copy failed (CUDA error %d); KV lands through MLX from now on", err)
-        _state["runtime"] = None
-        return False
-    return True
+    return _copy(dst.ctypes.data + t0 * row, dst.shape[2] * row, src.ctypes.data, n * row, n * row, dst.shape[1],
+                 "a landing")

@@ -324,14 +324,21 @@ def test_kv_read_on_a_gpu_crosses_in_one_prefetch_each_way(host, monkeypatch):
     def same(got):  # (layer, start, end, keys, values) against the host's path
         return len(got) == len(want) and all(x[:3] == y[0] and np.array_equal(x[3][0], y[1])
                                              and np.array_equal(x[4][0], y[2]) for x, y in zip(got, want))
+    # held still: by the copy engine, straight out of each cache's buffer, no prefetch
     assert same([x[:5] for x in snapshot.Snapshotter(s, "raw").extract(chunk=5)])
+    assert rt.moves == [] and sum(rt.copies) == sum(y[1].nbytes + y[2].nbytes for y in want)
+    rt.copies.clear()
+    # beside the host's steps (its compute lock): MLX copies, a prefetch each way a batch
+    assert same([x[:5] for x in snapshot.Snapshotter(s, "raw").extract(chunk=5, lock=threading.Lock())])
     batches = -(-len(want) // 2)  # two pieces (four sides) reach the batch bound of three sides
-    assert len(rt.moves) == 2 * batches
+    assert len(rt.moves) == 2 * batches and rt.copies == []
     assert [w for w, _ in rt.moves] == [unified.HOST, unified.DEVICE] * batches
     assert sum(n for w, n in rt.moves if w == unified.HOST) == sum(y[1].nbytes + y[2].nbytes for y in want)
     # landing: every side of every KV frame is copied into its room, and the session goes on as its twin
-    chunks = list(snapshot.snapshot(s, "raw"))
     rt.moves.clear()
+    chunks = list(snapshot.snapshot(s, "raw"))
+    assert rt.moves == [] and sum(rt.copies) == sum(y[1].nbytes + y[2].nbytes for y in want)  # read as above
+    rt.copies.clear()
     b = restore.restore(host, chunks, session_id="landed")
     assert rt.moves == [] and sum(rt.copies) == sum(y[1].nbytes + y[2].nbytes for y in want)
     reply = chat_turns(b, ["four"])
@@ -341,10 +348,15 @@ def test_kv_read_on_a_gpu_crosses_in_one_prefetch_each_way(host, monkeypatch):
     c = restore.restore(host, chunks, session_id="landed-by-mlx")
     assert unified._state["runtime"] is None and chat_turns(c, ["four"]) == reply
     unified._state["runtime"], rt.copy_err = rt, 0
+    # a read by the copy engine that fails hands the rest to MLX, with the same bytes
+    rt.copy_err, rt.copies = 1, []
+    assert same([x[:5] for x in snapshot.Snapshotter(s, "raw").extract(chunk=5)])
+    assert len(rt.copies) == 1 and unified._state["runtime"] is None
     # a runtime that fails once is not asked again
+    unified._state["runtime"], rt.copy_err = rt, 0
     rt.moves.clear()
     rt.err = 1
-    assert same([x[:5] for x in snapshot.Snapshotter(s, "raw").extract(chunk=5)])
+    assert same([x[:5] for x in snapshot.Snapshotter(s, "raw").extract(chunk=5, lock=threading.Lock())])
     assert len(rt.moves) == 1 and unified._state["runtime"] is None
 
 

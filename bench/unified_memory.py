@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def measure(mb: float, reps: int) -> dict:
-    from kvferry.checkpoint import snapshot, unified  # kvferry first: it picks the BLAS
+    from kvferry.checkpoint import kv_extract, unified  # kvferry first: it picks the BLAS
     from kvferry.checkpoint.mlxbits import mx_from_bits
     from kvferry.device import current
 
@@ -60,7 +60,7 @@ def measure(mb: float, reps: int) -> dict:
 
     want = np.array(base[:4096])
     for _ in range(reps):
-        for name, read in (("plain", np.array), ("prefetched", snapshot._read_device)):
+        for name, read in (("plain", np.array), ("prefetched", kv_extract.read_device)):
             flat = device_batch()
             data = timed(f"read_{name}_ms", lambda f=flat: read(f))
             assert np.array_equal(data.view(np.uint16)[:4096], want)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvferry.guests import GUESTS_DIR
-from kvferry.checkpoint import blob, codecs, kv_landing, quant, restore, snapshot
+from kvferry.checkpoint import blob, codecs, kv_extract, kv_landing, quant, restore, snapshot
 from kvferry.checkpoint.errors import CheckpointError
 from kvferry.checkpoint.frames import HEADER, KV, STATE, TRAILER, Frame, FrameDecoder, FrameWriter, Parts, iter_frames
 from kvferry.host import ModelHost
@@ -235,7 +235,7 @@ def test_extract_on_an_accelerator_reads_its_copies_after_the_hold(host, monkeyp
     assert len(got) == len(want) == len(s.cache) * -(-len(s.history) // 5)
     assert all(x[:3] == y[:3] and np.array_equal(x[3], y[3]) and np.array_equal(x[4], y[4]) for x, y in zip(got, want))
     # without a lock (a paused session's last delta, a stop-and-copy): in batches, the same bytes
-    monkeypatch.setattr(snapshot, "DEVICE_BATCH_BYTES", 3 * want[0][3].nbytes)
+    monkeypatch.setattr(kv_extract, "DEVICE_BATCH_BYTES", 3 * want[0][3].nbytes)
     whole = [(i, a, b, k[0].copy(), v[0].copy()) for i, a, b, k, v, _ in snapshot.Snapshotter(s, "raw").extract(chunk=5)]
     assert all(x[:3] == y[:3] and np.array_equal(x[3], y[3]) and np.array_equal(x[4], y[4]) for x, y in zip(whole, want))
     assert chat_turns(s, ["four"]) == chat_turns(twin, ["four"])
@@ -318,7 +318,7 @@ def test_kv_read_on_a_gpu_crosses_in_one_prefetch_each_way(host, monkeypatch):
     monkeypatch.setitem(unified._state, "loaded", True)
     for mod in (snapshot, kv_landing, mlxbits):
         monkeypatch.setattr(mod, "host_memory", lambda: False)
-    monkeypatch.setattr(snapshot, "DEVICE_BATCH_BYTES", 3 * want[0][1].nbytes)
+    monkeypatch.setattr(kv_extract, "DEVICE_BATCH_BYTES", 3 * want[0][1].nbytes)
     monkeypatch.setattr(unified, "MIN_BYTES", 1)  # this model's sides are a few hundred bytes
 
     def same(got):  # (layer, start, end, keys, values) against the host's path

@@ -104,6 +104,10 @@ class KVLanding:
         # on a GPU, by the copy engine straight into the room (unified.land); a final batch,
         # a few tokens a layer under the lock, goes with the step's one evaluation
         dma = not host_memory() and pending is None and unified.available()
+        if not dma:
+            # a room's host view keeps its buffer referenced, and MLX writes a referenced buffer by
+            # copying it whole: a live pause's last delta would copy every layer under the lock
+            self._views.pop(i, None)
         with oom(where):
             # else on a GPU, the bits go up before the lock: their pages reach the device in one DMA
             sides = None if direct or dma else (mx_from_bits(k, kd, True), mx_from_bits(v, vd, True))
@@ -124,6 +128,7 @@ class KVLanding:
                 else:
                     pending += [c.keys, c.values]
         if dma and not self._dma(i, c, k, v, t0):  # the runtime failed: through MLX after all
+            self._views.pop(i, None)
             with oom(where), self.lock:
                 c.update_and_fetch(mx_from_bits(k, kd, True), mx_from_bits(v, vd, True))
                 mx.eval(c.keys, c.values)

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import unified
+from . import host_blocks, unified
 from .mlxbits import joined, mx_bits_lazy, split_joined
 
 DEVICE_BATCH_BYTES = 64 << 20  # KV copied on an accelerator before one wait: bounds the extra memory
@@ -107,7 +107,7 @@ class DeviceExtract:
             start = time.perf_counter()
             rooms = {}  # layer -> its keys' and values' buffers as host views (unified memory)
             batch, size = [], 0
-            while j + len(batch) < len(pieces) and (not batch or size < DEVICE_BATCH_BYTES):
+            while j + len(batch) < len(pieces):
                 i, a, b = pieces[j + len(batch)]
                 if i not in rooms:
                     c = self.caches[i]
@@ -115,9 +115,12 @@ class DeviceExtract:
                         break  # not a plain cache's own buffer (a resident row's view, say)
                     rooms[i] = [(np.array(u, copy=False), name) for u, name in (mx_bits_lazy(c.keys),
                                                                                mx_bits_lazy(c.values))]
-                size += sum(v.nbytes // v.shape[2] * (b - a) for v, _ in rooms[i])
+                more = sum(v.nbytes // v.shape[2] * (b - a) for v, _ in rooms[i])
+                if batch and size + more > DEVICE_BATCH_BYTES:
+                    break
+                size += more
                 batch.append((i, a, b))
-            host = np.empty(size, np.uint8)
+            host = host_blocks.take(size)  # pages touched already: fresh ones cost a fault each
             out, at = [], 0
             for i, a, b in batch:
                 sides = []

@@ -55,6 +55,11 @@ class _Runtime:
         self._copy2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                                  ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         self._copy2d.restype = ctypes.c_int
+        self._register = lib.cudaHostRegister
+        self._register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        self._register.restype = ctypes.c_int
+        self._last_error = lib.cudaGetLastError
+        self._last_error.restype = ctypes.c_int
         self._sync = lib.cudaStreamSynchronize
         self._sync.argtypes = [ctypes.c_void_p]
         self._sync.restype = ctypes.c_int
@@ -70,6 +75,12 @@ class _Runtime:
 
     def sync(self) -> int:
         return self._sync(self.stream)
+
+    def register(self, ptr: int, nbytes: int) -> int:
+        err = self._register(ctypes.c_void_p(ptr), nbytes, 0)  # cudaHostRegisterDefault
+        if err:
+            self._last_error()  # cleared: MLX must not find it after its next kernel
+        return err
 
     def copy_2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> int:
         """``height`` rows of ``width`` bytes, and wait (cudaMemcpyDefault: unified addressing
@@ -140,6 +151,20 @@ def to_device(view: Any, wait: bool = False) -> bool:
     (managed memory), only slower: so for a buffer the CPU read last, which goes
     back to MLX's cache and becomes some later step's output."""
     return _prefetch(view, DEVICE, wait=wait)
+
+
+def pin(host: Any) -> bool:
+    """Page-lock ``host`` (a numpy array of the host's own, kept for the process's
+    life: it is never unregistered), so the copy engine reads and writes it
+    directly, not through the driver's staging buffers. False: it stays pageable."""
+    rt = _runtime()
+    if rt is None:
+        return False
+    err = rt.register(host.ctypes.data, host.nbytes)
+    if err:
+        log.info("unified memory: page-locking %d bytes failed (CUDA error %d); they stay pageable",
+                 host.nbytes, err)
+    return not err
 
 
 def read(src: Any, t0: int, dst: Any) -> bool:

@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from . import addresses
+from .checkpoint import host_blocks
 from .checkpoint.snapshot import snapshot
 from .drain import DRAIN_TIMEOUT, Drainer
 from .errors import (ConfigError, ForbiddenError, GuestError, HostDrainingError, InternalError, KvferryError,
@@ -146,6 +147,7 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
         self.restored = self.restore_drained()  # sessions a drain of this host saved
         self.set_serving(True)
         threading.Thread(target=self._janitor, daemon=True, name="kvferry-janitor").start()
+        threading.Thread(target=host_blocks.warm, daemon=True, name="kvferry-host-blocks").start()
         return self
 
     def caller(self, context) -> Key:

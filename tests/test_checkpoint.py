@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvferry.guests import GUESTS_DIR
-from kvferry.checkpoint import blob, codecs, kv_extract, kv_landing, quant, restore, snapshot
+from kvferry.checkpoint import blob, codecs, host_blocks, kv_extract, kv_landing, quant, restore, snapshot
 from kvferry.checkpoint.errors import CheckpointError
 from kvferry.checkpoint.frames import HEADER, KV, STATE, TRAILER, Frame, FrameDecoder, FrameWriter, Parts, iter_frames
 from kvferry.host import ModelHost
@@ -275,18 +275,59 @@ def test_extract_on_an_accelerator_batches_quantized_parts_exactly(smollm, monke
     h.close()
 
 
+def test_host_blocks_are_reused_only_when_nothing_refers_to_them():
+    blocks = host_blocks.HostBlocks(block=64, cap=128)
+    a = blocks.take(40)
+    view = a[8:16].view(np.uint32)  # a view of a view still holds the block
+    del a
+    b = blocks.take(64)
+    assert len(blocks.blocks) == 2 and not np.shares_memory(view, b)
+    c = blocks.take(10)  # both in use, the cap reached: a buffer of its own
+    assert blocks.fresh == 1 and not any(np.shares_memory(c, x) for x in blocks.blocks)
+    del view
+    d = blocks.take(64)
+    assert np.shares_memory(d, blocks.blocks[0]) and len(blocks.blocks) == 2
+    assert blocks.take(65).nbytes == 65 and blocks.fresh == 2  # larger than a block
+    del b, c, d
+
+
+def test_host_blocks_warmed_ahead_are_page_locked_and_then_taken(monkeypatch):
+    from kvferry.checkpoint import unified
+
+    rt = FakeCudaRuntime()
+    monkeypatch.setitem(unified._state, "runtime", rt)
+    monkeypatch.setitem(unified._state, "loaded", True)
+    blocks = host_blocks.HostBlocks(block=4096, cap=3 * 4096 + 100)
+    monkeypatch.setattr(host_blocks, "_blocks", blocks)
+    host_blocks.warm()
+    assert rt.pinned == [4096] * 3 and len(blocks.blocks) == 3
+    held = [blocks.take(4000) for _ in range(3)]
+    assert len(blocks.blocks) == 3 and blocks.fresh == 0 and rt.pinned == [4096] * 3
+    assert blocks.take(10).nbytes == 10 and blocks.fresh == 1
+    del held
+    monkeypatch.setitem(unified._state, "runtime", None)  # a CPU: nothing to warm
+    cpu = host_blocks.HostBlocks(block=4096, cap=1 << 20)
+    monkeypatch.setattr(host_blocks, "_blocks", cpu)
+    host_blocks.warm()
+    assert cpu.blocks == []
+
+
 class FakeCudaRuntime:
     """Stands in for libcudart (kvferry.checkpoint.unified._Runtime): records each
     prefetch as (where, bytes) and answers ``err``."""
 
     def __init__(self):
-        self.moves, self.err, self.copies, self.copy_err = [], 0, [], 0
+        self.moves, self.err, self.copies, self.copy_err, self.pinned = [], 0, [], 0, []
 
     def prefetch(self, ptr, nbytes, where):
         self.moves.append((where, nbytes))
         return self.err
 
     def sync(self):
+        return 0
+
+    def register(self, ptr, nbytes):
+        self.pinned.append(nbytes)
         return 0
 
     def copy_2d(self, dst, dpitch, src, spitch, width, height):  # host memory here: copied for real
@@ -324,9 +365,24 @@ def test_kv_read_on_a_gpu_crosses_in_one_prefetch_each_way(host, monkeypatch):
     def same(got):  # (layer, start, end, keys, values) against the host's path
         return len(got) == len(want) and all(x[:3] == y[0] and np.array_equal(x[3][0], y[1])
                                              and np.array_equal(x[4][0], y[2]) for x, y in zip(got, want))
-    # held still: by the copy engine, straight out of each cache's buffer, no prefetch
+    # held still: by the copy engine, straight out of each cache's buffer, no prefetch, into
+    # kept host blocks; a block whose bytes are still referenced is not handed out again
+    blocks = host_blocks.HostBlocks(block=3 * want[0][1].nbytes, cap=1 << 30)
+    monkeypatch.setattr(host_blocks, "_blocks", blocks)
+    held = [x[:5] for x in snapshot.Snapshotter(s, "raw").extract(chunk=5)]
+    assert same(held) and rt.moves == [] and sum(rt.copies) == sum(y[1].nbytes + y[2].nbytes for y in want)
+    batches, size = 0, None
+    for y in want:  # pieces packed in order up to the bound
+        more = y[1].nbytes + y[2].nbytes
+        batches, size = (batches + 1, more) if size is None or size + more > 3 * want[0][1].nbytes else \
+            (batches, size + more)
+    assert len(blocks.blocks) == len(rt.pinned) == batches and blocks.fresh == 0
+    again = [x[:5] for x in snapshot.Snapshotter(s, "raw").extract(chunk=5)]
+    assert same(again) and same(held) and len(blocks.blocks) == 2 * batches  # all in use: new ones
+    del held, again
+    rt.copies.clear()
     assert same([x[:5] for x in snapshot.Snapshotter(s, "raw").extract(chunk=5)])
-    assert rt.moves == [] and sum(rt.copies) == sum(y[1].nbytes + y[2].nbytes for y in want)
+    assert len(blocks.blocks) == 2 * batches  # freed ones reused
     rt.copies.clear()
     # beside the host's steps (its compute lock): MLX copies, a prefetch each way a batch
     assert same([x[:5] for x in snapshot.Snapshotter(s, "raw").extract(chunk=5, lock=threading.Lock())])

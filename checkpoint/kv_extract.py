@@ -35,10 +35,18 @@ class DeviceExtract:
     """Reads the Snapshotter's ``caches``, ``kind`` and ``_layer``; adds to its ``busy``."""
 
     def _extract_device(self, pieces: list[tuple[int, int, int]], n: int, lock,
-                        per_hold: int | None = None, extra: list | None = None, dma: bool = True) -> Iterator[tuple]:
-        """:meth:`extract` on an accelerator: a hold only queues device copies of a
+                        per_hold: int | None = None, extra: list | None = None) -> Iterator[tuple]:
+        """:meth:`extract` on an accelerator: held still, by the copy engine where it is
+        reached (:meth:`_extract_dma`), else by MLX copies (:meth:`_extract_mlx`)."""
+        if lock is None and not extra and self.kind == "KVCache" and unified.available():
+            return self._extract_dma(pieces, n)
+        return self._extract_mlx(pieces, n, lock, per_hold, extra)
+
+    def _extract_mlx(self, pieces: list[tuple[int, int, int]], n: int, lock,
+                     per_hold: int | None = None, extra: list | None = None) -> Iterator[tuple]:
+        """:meth:`_extract_device` by MLX: a hold only queues device copies of a
         few pieces (microseconds); they are waited for once, after it, and read on
-        the host (held still, by the copy engine: :meth:`_extract_dma`). Waiting inside
+        the host. Waiting inside
         the hold, as the CPU does, waited for the step in
         flight (a speculated one, say) and then read unified memory while the
         session's next step could not start: on the H200, 1B shape, holds of 4-7 ms
@@ -52,9 +60,6 @@ class DeviceExtract:
         with the first batch; their host copies replace them in it."""
         import mlx.core as mx
 
-        if dma and lock is None and not extra and self.kind == "KVCache" and unified.available():
-            yield from self._extract_dma(pieces, n)
-            return
         per_hold = per_hold or (8 if lock is not None else len(pieces))
         j = 0
         while j < len(pieces):
@@ -102,6 +107,8 @@ class DeviceExtract:
         took 61-71 ms for 178 MB on an H100 the other way). The caches' host views
         are dropped before the batch is yielded, so none pins a buffer the session's
         next step would then copy whole. A failed copy hands the rest to MLX."""
+        from mlx_lm.models.cache import KVCache
+
         j = 0
         while j < len(pieces):
             start = time.perf_counter()
@@ -111,23 +118,22 @@ class DeviceExtract:
                 i, a, b = pieces[j + len(batch)]
                 if i not in rooms:
                     c = self.caches[i]
-                    if type(c).__name__ != "KVCache" or c.keys is None or c.offset < n:
-                        break  # not a plain cache's own buffer (a resident row's view, say)
+                    if type(c) is not KVCache or c.keys is None or c.offset < n:
+                        break  # not a plain cache's own buffer (a resident row's, say)
                     rooms[i] = [(np.array(u, copy=False), name) for u, name in (mx_bits_lazy(c.keys),
                                                                                mx_bits_lazy(c.values))]
-                more = sum(v.nbytes // v.shape[2] * (b - a) for v, _ in rooms[i])
-                if batch and size + more > DEVICE_BATCH_BYTES:
+                sizes = [v.nbytes // v.shape[2] * (b - a) for v, _ in rooms[i]]
+                if batch and size + sum(sizes) > DEVICE_BATCH_BYTES:
                     break
-                size += more
-                batch.append((i, a, b))
+                size += sum(sizes)
+                batch.append((i, a, b, sizes))
             host = host_blocks.take(size)  # pages touched already: fresh ones cost a fault each
             out, at = [], 0
-            for i, a, b in batch:
+            for i, a, b, sizes in batch:
                 sides = []
-                for v, name in rooms[i]:
-                    part = host[at:at + v.nbytes // v.shape[2] * (b - a)].view(v.dtype).reshape(1, v.shape[1], b - a,
-                                                                                                 v.shape[3])
-                    at += part.nbytes
+                for (v, name), nbytes in zip(rooms[i], sizes):
+                    part = host[at:at + nbytes].view(v.dtype).reshape(1, v.shape[1], b - a, v.shape[3])
+                    at += nbytes
                     if not unified.read(v, a, part):
                         break
                     sides.append((part, name))
@@ -139,6 +145,6 @@ class DeviceExtract:
             j += len(out)
             if not batch or len(out) < len(batch):  # through MLX from here on
                 yield from out
-                yield from self._extract_device(pieces[j:], n, None, dma=False)
+                yield from self._extract_mlx(pieces[j:], n, None)
                 return
             yield from out

@@ -18,7 +18,20 @@ of ``--mb`` megabytes (178 MB is SmolLM2's KV at 7,749 tokens):
   the first kernel that reads them (kvferry.checkpoint.mlxbits.mx_from_bits
   without and with ``device``).
 
-On a CPU every prefetch is a no-op and the pairs measure the same thing.
+Where the CUDA runtime is reached (``copy_engine``), the same megabytes as a
+SmolLM2-shaped cache (60 rooms of [1, 3, 8192, 64] float16, or fewer) also cross
+by the copy engine (kvferry.checkpoint.unified.read and land), a batch of up to
+64 MB at a time:
+
+- ``engine_read_{fresh,kept_pinned,kept_pageable}_ms``: read into fresh numpy
+  buffers, into kept page-locked blocks (kvferry.checkpoint.host_blocks, what a
+  migration's source uses), into kept pageable ones; ``*_cold_ms`` is the first
+  rep, which fills the blocks;
+- ``engine_land_{pageable,pinned}_ms``: landed from pageable host memory (a lane's
+  buffers) or page-locked memory.
+
+On a CPU every prefetch is a no-op and the pairs measure the same thing; the copy
+engine's rows are absent.
 """
 
 from __future__ import annotations
@@ -73,13 +86,54 @@ def measure(mb: float, reps: int) -> dict:
                 a = mx_from_bits(host, "bfloat16", up)
                 mx.eval(a * 2)
             timed(f"land_{name}_ms", land)
+    if unified.available():
+        _copy_engine(mb, reps, timed)
     out = {k: round(statistics.median(v), 2) for k, v in times.items()}
     for k in ("read", "land"):
         out[f"{k}_prefetched_gb_s"] = round(n * 2 / 1e9 / (out[f"{k}_prefetched_ms"] / 1000), 2)
         out[f"{k}_plain_gb_s"] = round(n * 2 / 1e9 / (out[f"{k}_plain_ms"] / 1000), 2)
-    return {"mb": mb, "reps": reps, "prefetch": unified._runtime() is not None, **out,
+    return {"mb": mb, "reps": reps, "prefetch": unified._runtime() is not None,
+            "copy_engine": unified.available(), **out,
             "samples_ms": {k: [round(x, 2) for x in v] for k, v in times.items()},
             "device": current().as_dict()}
+
+
+def _copy_engine(mb: float, reps: int, timed) -> None:
+    """The copy engine's rows (see the module's doc), into ``timed``'s samples."""
+    import mlx.core as mx
+    import numpy as np
+
+    from kvferry.checkpoint import host_blocks, unified
+    from kvferry.checkpoint.mlxbits import mx_bits_lazy
+
+    shape, batch = (1, 3, 8192, 64), 64 << 20
+    side = 3 * 8192 * 64 * 2
+    rooms = [mx.full(shape, i, mx.float16) for i in range(max(1, min(60, int(mb * 2**20) // side)))]
+    mx.eval(rooms)
+    views = [np.array(mx_bits_lazy(r)[0], copy=False) for r in rooms]
+    per = max(1, batch // side)
+
+    def read(take) -> list:
+        out = []
+        for j in range(0, len(views), per):
+            host = take(min(per, len(views) - j) * side)
+            for q, v in enumerate(views[j:j + per]):
+                part = host[q * side:(q + 1) * side].view(np.uint16).reshape(shape)
+                assert unified.read(v, 0, part)
+                out.append(part)
+        return out
+    for name, take in (("fresh", lambda n: np.empty(n, np.uint8)),
+                       ("kept_pinned", host_blocks.HostBlocks().take),
+                       ("kept_pageable", host_blocks.HostBlocks(pin=False).take)):
+        for rep in range(reps + 1):
+            got = timed(f"engine_read_{name}_{'cold_' if rep == 0 else ''}ms", lambda t=take: read(t))
+            assert all(int(g[0, 1, 7, 3]) == int(np.float16(i).view(np.uint16)) for i, g in enumerate(got))
+            del got
+    pinned = host_blocks.HostBlocks(block=side, cap=side)
+    for name, src in (("pageable", np.full(shape, 7, np.uint16)), ("pinned", pinned.take(side).view(np.uint16))):
+        src = src.reshape(shape)
+        for _ in range(reps):
+            timed(f"engine_land_{name}_ms", lambda s=src: [unified.land(v, s, 0) for v in views])
 
 
 def main() -> None:
@@ -95,6 +149,9 @@ def main() -> None:
     print(f"{a.mb:.0f} MB on {r['device'].get('name')}, prefetch {'on' if r['prefetch'] else 'unavailable'}")
     for k in ("read", "next_kernel_after", "land"):
         print(f"  {k:18} plain {r[f'{k}_plain_ms']:8.2f} ms   prefetched {r[f'{k}_prefetched_ms']:8.2f} ms")
+    for k, v in r.items():
+        if k.startswith("engine_"):
+            print(f"  {k:32} {v:8.2f} ms")
 
 
 if __name__ == "__main__":

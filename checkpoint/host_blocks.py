@@ -26,10 +26,11 @@ _FREE = 3  # references to a block nobody uses: the list's, the loop's and getre
 
 
 class HostBlocks:
-    """Blocks of ``block`` bytes, at most ``cap`` bytes of them, handed out as views."""
+    """Blocks of ``block`` bytes, at most ``cap`` bytes of them, handed out as views
+    (``pin``: page-locked where the CUDA runtime is reached)."""
 
-    def __init__(self, block: int = BLOCK_BYTES, cap: int = CAP_BYTES) -> None:
-        self.block, self.cap = block, cap
+    def __init__(self, block: int = BLOCK_BYTES, cap: int = CAP_BYTES, pin: bool = True) -> None:
+        self.block, self.cap, self.pin = block, cap, pin
         self.blocks: list[np.ndarray] = []
         self.fresh = 0  # requests answered with a buffer of their own (too large, or every block in use)
         self._lock = threading.Lock()
@@ -44,7 +45,8 @@ class HostBlocks:
                         return b[:nbytes]
                 if (len(self.blocks) + 1) * self.block <= self.cap:
                     b = np.empty(self.block, np.uint8)
-                    unified.pin(b)  # a failure only leaves it pageable
+                    if self.pin:
+                        unified.pin(b)  # a failure only leaves it pageable
                     self.blocks.append(b)
                     return b[:nbytes]
         self.fresh += 1
@@ -58,7 +60,7 @@ class HostBlocks:
                 if (len(self.blocks) + 1) * self.block > self.cap:
                     return
             b = np.empty(self.block, np.uint8)
-            if not unified.pin(b):
+            if not (self.pin and unified.pin(b)):
                 b.fill(0)
             with self._lock:
                 if (len(self.blocks) + 1) * self.block > self.cap:

@@ -235,3 +235,31 @@ def test_unified_memory_bench_runs():
     assert out["prefetch"] is False and out["device"]["kind"] == "cpu"
     for k in ("read", "next_kernel_after", "land"):
         assert out[f"{k}_plain_ms"] > 0 and out[f"{k}_prefetched_ms"] > 0
+    assert out["copy_engine"] is False and not any(k.startswith("engine_") for k in out)
+
+
+def test_unified_memory_bench_copy_engine_rows(monkeypatch):
+    """The bench's copy-engine rows, run against a stand-in runtime that copies for
+    real over host pointers: each read checks its bytes, the kept page-locked blocks
+    are locked once, the pageable ones never."""
+    import importlib.util
+    from pathlib import Path
+
+    from fake_cuda import FakeCudaRuntime
+    from kvferry.checkpoint import unified
+
+    rt = FakeCudaRuntime()
+    monkeypatch.setitem(unified._state, "runtime", rt)
+    monkeypatch.setitem(unified._state, "loaded", True)
+    path = Path(__file__).resolve().parent.parent / "bench" / "unified_memory.py"
+    spec = importlib.util.spec_from_file_location("unified_memory_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.measure(7, 2)  # two rooms of 3 MB
+    assert out["copy_engine"] is True
+    for k in ("read_fresh", "read_kept_pinned", "read_kept_pageable", "land_pageable", "land_pinned"):
+        assert out[f"engine_{k}_ms"] > 0
+    assert out["engine_read_kept_pinned_cold_ms"] > 0 and len(out["samples_ms"]["engine_read_fresh_ms"]) == 2
+    side = 3 * 8192 * 64 * 2
+    assert rt.pinned == [64 << 20, side]  # one kept block (both rooms in one batch), the landing's source
+    assert sum(rt.copies) == (3 * 3 + 2 * 2) * 2 * side  # reads: 3 kinds x 3 reps; lands: 2 x 2; 2 rooms each

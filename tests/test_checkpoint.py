@@ -17,6 +17,8 @@ from kvferry.checkpoint.frames import HEADER, KV, STATE, TRAILER, Frame, FrameDe
 from kvferry.host import ModelHost
 from kvferry.session import SamplingParams, SessionOptions
 
+from fake_cuda import FakeCudaRuntime
+
 
 @pytest.fixture(scope="module")
 def host(tiny_model):
@@ -310,35 +312,6 @@ def test_host_blocks_warmed_ahead_are_page_locked_and_then_taken(monkeypatch):
     monkeypatch.setattr(host_blocks, "_blocks", cpu)
     host_blocks.warm()
     assert cpu.blocks == []
-
-
-class FakeCudaRuntime:
-    """Stands in for libcudart (kvferry.checkpoint.unified._Runtime): records each
-    prefetch as (where, bytes) and answers ``err``."""
-
-    def __init__(self):
-        self.moves, self.err, self.copies, self.copy_err, self.pinned = [], 0, [], 0, []
-
-    def prefetch(self, ptr, nbytes, where):
-        self.moves.append((where, nbytes))
-        return self.err
-
-    def sync(self):
-        return 0
-
-    def register(self, ptr, nbytes):
-        self.pinned.append(nbytes)
-        return 0
-
-    def copy_2d(self, dst, dpitch, src, spitch, width, height):  # host memory here: copied for real
-        import ctypes
-
-        self.copies.append(width * height)
-        if self.copy_err:
-            return self.copy_err
-        for r in range(height):
-            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
-        return 0
 
 
 def test_kv_read_on_a_gpu_crosses_in_one_prefetch_each_way(host, monkeypatch):

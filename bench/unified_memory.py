@@ -106,8 +106,8 @@ def _copy_engine(mb: float, reps: int, timed) -> None:
     from kvferry.checkpoint import host_blocks, unified
     from kvferry.checkpoint.mlxbits import mx_bits_lazy
 
-    shape, batch = (1, 3, 8192, 64), 64 << 20
-    side = 3 * 8192 * 64 * 2
+    shape, batch = (1, 3, 8192, 64), host_blocks.BLOCK_BYTES
+    side = int(np.prod(shape)) * 2  # float16
     rooms = [mx.full(shape, i, mx.float16) for i in range(max(1, min(60, int(mb * 2**20) // side)))]
     mx.eval(rooms)
     views = [np.array(mx_bits_lazy(r)[0], copy=False) for r in rooms]

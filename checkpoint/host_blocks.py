@@ -20,7 +20,7 @@ import numpy as np
 
 from . import unified
 
-BLOCK_BYTES = 64 << 20  # one extraction batch (kv_extract.DEVICE_BATCH_BYTES)
+BLOCK_BYTES = 64 << 20  # one extraction batch (kv_extract.DEVICE_BATCH_BYTES is this)
 CAP_BYTES = 256 << 20  # kept for the process's life: a 7.7k-token SmolLM2 session's KV is 179 MB
 _FREE = 3  # references to a block nobody uses: the list's, the loop's and getrefcount's own
 
@@ -43,7 +43,7 @@ class HostBlocks:
                 for b in self.blocks:
                     if sys.getrefcount(b) <= _FREE:
                         return b[:nbytes]
-                if (len(self.blocks) + 1) * self.block <= self.cap:
+                if not self._full():
                     b = np.empty(self.block, np.uint8)
                     if self.pin:
                         unified.pin(b)  # a failure only leaves it pageable
@@ -52,18 +52,22 @@ class HostBlocks:
         self.fresh += 1
         return np.empty(nbytes, np.uint8)
 
+    def _full(self) -> bool:
+        """Whether one more block would pass the cap (called under the lock)."""
+        return (len(self.blocks) + 1) * self.block > self.cap
+
     def fill(self) -> None:
         """Blocks up to the cap, each touched (page-locked, where it can be) before it
         is listed: a first extraction then finds them ready."""
         while True:
             with self._lock:
-                if (len(self.blocks) + 1) * self.block > self.cap:
+                if self._full():
                     return
             b = np.empty(self.block, np.uint8)
             if not (self.pin and unified.pin(b)):
                 b.fill(0)
             with self._lock:
-                if (len(self.blocks) + 1) * self.block > self.cap:
+                if self._full():
                     return
                 self.blocks.append(b)
 

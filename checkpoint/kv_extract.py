@@ -15,7 +15,7 @@ import numpy as np
 from . import host_blocks, unified
 from .mlxbits import joined, mx_bits_lazy, split_joined
 
-DEVICE_BATCH_BYTES = 64 << 20  # KV copied on an accelerator before one wait: bounds the extra memory
+DEVICE_BATCH_BYTES = host_blocks.BLOCK_BYTES  # KV copied on an accelerator before one wait: bounds the extra memory
 
 
 def read_device(flat: Any) -> np.ndarray:
@@ -101,8 +101,8 @@ class DeviceExtract:
 
     def _extract_dma(self, pieces: list[tuple[int, int, int]], n: int) -> Iterator[tuple]:
         """:meth:`_extract_device` of a session held still: each range read by the copy
-        engine straight out of its cache's buffer into host memory of the batch's own
-        (:func:`unified.read`), up to DEVICE_BATCH_BYTES a batch. No MLX op gathers the
+        engine straight out of its cache's buffer into a kept host block
+        (:func:`unified.read`, :mod:`host_blocks`), up to DEVICE_BATCH_BYTES a batch. No MLX op gathers the
         ranges, and their pages never leave the device (a stop-and-copy's extraction
         took 61-71 ms for 178 MB on an H100 the other way). The caches' host views
         are dropped before the batch is yielded, so none pins a buffer the session's
@@ -127,6 +127,9 @@ class DeviceExtract:
                     break
                 size += sum(sizes)
                 batch.append((i, a, b, sizes))
+            if not batch:  # through MLX from here on
+                yield from self._extract_mlx(pieces[j:], n, None)
+                return
             host = host_blocks.take(size)  # pages touched already: fresh ones cost a fault each
             out, at = [], 0
             for i, a, b, sizes in batch:
@@ -143,7 +146,7 @@ class DeviceExtract:
             del rooms
             self.busy["extract"] += time.perf_counter() - start
             j += len(out)
-            if not batch or len(out) < len(batch):  # through MLX from here on
+            if len(out) < len(batch):  # a copy failed: through MLX from here on
                 yield from out
                 yield from self._extract_mlx(pieces[j:], n, None)
                 return

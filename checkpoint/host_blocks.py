@@ -38,8 +38,8 @@ class HostBlocks:
     def take(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of host memory (uint8), valid while the returned array or a view of
         it lives; a kept block's pages are touched already."""
-        if nbytes <= self.block:
-            with self._lock:
+        with self._lock:
+            if nbytes <= self.block:
                 for b in self.blocks:
                     if sys.getrefcount(b) <= _FREE:
                         return b[:nbytes]
@@ -49,7 +49,7 @@ class HostBlocks:
                         unified.pin(b)  # a failure only leaves it pageable
                     self.blocks.append(b)
                     return b[:nbytes]
-        self.fresh += 1
+            self.fresh += 1
         return np.empty(nbytes, np.uint8)
 
     def _full(self) -> bool:

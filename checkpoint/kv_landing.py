@@ -22,6 +22,11 @@ from .mlxbits import cast_bits, host_memory, mx_bits_lazy, mx_from_bits, np_kind
 MAX_TOKENS = 1 << 22
 
 
+def _mx_sides(k: np.ndarray, kd: str, v: np.ndarray, vd: str) -> tuple:
+    """A range's keys and values as MLX arrays, through MLX's own copy."""
+    return mx_from_bits(k, kd, True), mx_from_bits(v, vd, True)
+
+
 class KVLanding:
     """Reads the Restorer's ``host``, ``header``, ``chunks``, ``caches``, ``lock``,
     ``borrowed``, ``kv_heads``, ``head_dim``, ``kv_dtype``, ``context``, and keeps
@@ -110,7 +115,7 @@ class KVLanding:
             self._views.pop(i, None)
         with oom(where):
             # else on a GPU, the bits go up before the lock: their pages reach the device in one DMA
-            sides = None if direct or dma else (mx_from_bits(k, kd, True), mx_from_bits(v, vd, True))
+            sides = None if direct or dma else _mx_sides(k, kd, v, vd)
             # on a CPU, a layer's first room is written before the lock: its pages are new to
             # the process, and a VM charges each one's first write (up to ~2.5 ms a MB on
             # this project's machines), which under the lock would stall the host's other sessions
@@ -130,7 +135,7 @@ class KVLanding:
         if dma and not self._dma(i, c, k, v, t0):  # the runtime failed: through MLX after all
             self._views.pop(i, None)
             with oom(where), self.lock:
-                c.update_and_fetch(mx_from_bits(k, kd, True), mx_from_bits(v, vd, True))
+                c.update_and_fetch(*_mx_sides(k, kd, v, vd))
                 mx.eval(c.keys, c.values)
         elif dma:
             c.offset = t1

@@ -149,6 +149,39 @@ def _checksum(version: int) -> Any:
     return xxhash.xxh64() if version == 1 else xxhash.xxh3_64()
 
 
+def _body_checksum(version: int, kind: int, body: memoryview) -> int:
+    h = _checksum(version)
+    h.update(bytes([kind]))
+    h.update(body)
+    return h.intdigest()
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The checksums of a chunk's whole frames, computed ahead of its decoding, by
+    each frame's offset in the chunk, for the format ``version``. A lane's reader
+    hashes a frame as it arrives (xxhash lets go of the GIL) while the handler lands
+    the one before; the decoder still compares each to its frame head's."""
+
+    version: int
+    sums: dict[int, int]
+
+
+def check_ahead(chunk: Any, version: int = FORMAT_VERSION) -> Checked:
+    """:class:`Checked` for the whole frames at the start of ``chunk`` (a chunk of
+    frames after the preamble); it stops, without a word, where they end or look
+    wrong, and the decoder reports that."""
+    buf, pos, sums = memoryview(chunk).cast("B"), 0, {}
+    while len(buf) - pos >= FRAME_HEAD.size:
+        kind, _, _, n, _ = FRAME_HEAD.unpack_from(buf, pos)
+        end = pos + FRAME_HEAD.size + n
+        if kind not in KIND_NAMES or n > MAX_BODY or end > len(buf):
+            break
+        sums[pos] = _body_checksum(version, kind, buf[pos + FRAME_HEAD.size:end])
+        pos = end
+    return Checked(version, sums)
+
+
 SPLICE_BYTES = 1 << 16  # payloads this large are joined into their frame, not copied into msgpack's buffer
 # A KV body this large is read in place (unpack_views); a smaller one by msgpack's C reader:
 # copying under 1 MiB costs less than walking a live pause's last delta, ~1,300 small
@@ -339,7 +372,9 @@ class FrameDecoder:
         self.total = 0
         self.max_total = max_total
 
-    def feed(self, data: bytes) -> Iterator[Frame]:
+    def feed(self, data: bytes, checked: Checked | None = None) -> Iterator[Frame]:
+        """Frames completed by ``data``; ``checked``: :func:`check_ahead` of ``data``
+        (used where whole frames are read in place)."""
         if self.done and data:
             raise CheckpointError(_after_trailer(len(data)))
         self.total += len(data)
@@ -348,7 +383,8 @@ class FrameDecoder:
         if self.have_preamble and not self.buf:
             # whole frames in one chunk (a gRPC message each): read them where they are
             view = memoryview(data)
-            used = yield from self._frames(view, self.views)
+            sums = checked.sums if checked is not None and checked.version == self.version else None
+            used = yield from self._frames(view, self.views, sums)
             self.buf += view[used:]
             self._nothing_after_trailer()
             return
@@ -379,9 +415,10 @@ class FrameDecoder:
         if self.done and self.buf:
             raise CheckpointError(_after_trailer(len(self.buf)))
 
-    def _frames(self, buf: memoryview, views: bool = False):
+    def _frames(self, buf: memoryview, views: bool = False, sums: dict[int, int] | None = None):
         """Verify and yield the whole frames at the start of ``buf``; returns the
-        bytes they took (``views``: KV bodies as :func:`unpack_views` reads them)."""
+        bytes they took (``views``: KV bodies as :func:`unpack_views` reads them;
+        ``sums``: body checksums computed ahead, by offset in ``buf``)."""
         pos = 0
         while len(buf) - pos >= FRAME_HEAD.size and not self.done:
             kind, r1, r2, n, checksum = FRAME_HEAD.unpack_from(buf, pos)
@@ -395,10 +432,8 @@ class FrameDecoder:
                 break
             raw = buf[pos:pos + FRAME_HEAD.size + n]
             body = raw[FRAME_HEAD.size:]
-            h = _checksum(self.version)
-            h.update(bytes([kind]))
-            h.update(body)
-            if h.intdigest() != checksum:
+            got = sums.get(pos) if sums is not None else None
+            if (got if got is not None else _body_checksum(self.version, kind, body)) != checksum:
                 raise CheckpointError(f"{where}: checksum mismatch (corrupted)")
             pos += FRAME_HEAD.size + n
             borrowed = views and kind == KV and n >= VIEWS_FROM

@@ -141,7 +141,7 @@ class MigrationTarget(pbg.MigrationServicer):
                     while f is not None:
                         data = f.data  # once: protobuf's .data is a fresh copy each time
                         began = time.perf_counter()
-                        for fr in inc.decoder.feed(data):
+                        for fr in inc.decoder.feed(data, getattr(f, "checked", None)):
                             inc.restorer.apply(fr)
                         landed = time.perf_counter()
                         inc.land_s += landed - began

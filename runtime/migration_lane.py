@@ -31,7 +31,7 @@ import struct
 import threading
 from typing import Any, Callable, Iterator
 
-from .checkpoint.frames import Parts
+from .checkpoint.frames import Parts, check_ahead
 from .migration_wire import FrameView
 from .transport import MAX_MESSAGE, TLSConfig
 
@@ -55,7 +55,8 @@ class LaneFrame(FrameView):
     it back once it has landed the frame (what it keeps, it copied out)."""
 
     def __init__(self, seq: int, data: memoryview, pool: "queue.SimpleQueue[bytearray]", buf: bytearray):
-        super().__init__(seq, data)
+        # hashed here, on the lane's thread, while the handler lands the frame before
+        super().__init__(seq, data, check_ahead(data))
         self.pool, self.buf = pool, buf
 
     def release(self) -> None:

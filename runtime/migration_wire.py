@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .checkpoint.frames import Parts
+from .checkpoint.frames import Checked, Parts
 from .proto import kvferry_pb2 as pb
 
 _FRAME, _SEQ, _DATA = 0x12, 0x08, 0x12  # MigrationMessage.frame (2, bytes); FramePart.seq (1, varint), data (2)
@@ -46,10 +46,12 @@ def write_message(m: Any) -> bytes:
 
 @dataclass
 class FrameView:
-    """A frame message read in place: ``data`` is a view of the received bytes."""
+    """A frame message read in place: ``data`` is a view of the received bytes
+    (``checked``: its frames' checksums, where its reader computed them ahead)."""
 
     seq: int
     data: memoryview
+    checked: Checked | None = None
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:

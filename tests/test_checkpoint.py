@@ -845,6 +845,43 @@ def test_a_frame_in_parts_is_the_joined_frame_and_its_reader_borrows_only_large_
     assert got[1].body == msgpack.unpackb(f[frames.PREAMBLE.size + frames.FRAME_HEAD.size:], raw=False)
 
 
+def test_checksums_computed_ahead_are_used_and_still_compared_to_each_frame_head(monkeypatch):
+    """A lane's reader hashes a chunk's frames as they arrive (frames.check_ahead); the
+    decoder then hashes nothing itself, but still compares each sum to its frame
+    head's, so a corrupt body is refused as before. Sums for another format version,
+    or a chunk that does not start at a frame, are not used."""
+    from kvferry.checkpoint import frames
+
+    w = FrameWriter()
+    head = w.frame(HEADER, {"h": 1})
+    kv = np.arange(300_000, dtype=np.float32)
+    chunk = b"".join(bytes(w.frame(KV, {"layer": i, "keys": codecs.encode(kv + i, "float32", "raw")}))
+                     for i in range(3))
+    checked = frames.check_ahead(chunk)
+    assert len(checked.sums) == 3 and min(checked.sums) == 0
+    hashed = []
+    real = frames._body_checksum
+    monkeypatch.setattr(frames, "_body_checksum", lambda *a: hashed.append(a[1]) or real(*a))
+    dec = FrameDecoder(views=True)
+    list(dec.feed(head))
+    hashed.clear()
+    got = list(dec.feed(chunk, checked))
+    assert [f.body["layer"] for f in got] == [0, 1, 2] and hashed == []  # none hashed twice
+    assert np.array_equal(codecs.decode(got[2].body["keys"], "t").view(np.float32), kv + 2)  # bits
+    dec = FrameDecoder(views=True)
+    list(dec.feed(head))
+    hashed.clear()
+    assert len(list(dec.feed(chunk, frames.Checked(1, checked.sums)))) == 3 and hashed == [KV] * 3
+    bad = bytearray(chunk)
+    bad[len(bad) // 2] ^= 1  # the middle frame's body
+    dec = FrameDecoder(views=True)
+    list(dec.feed(head))
+    with pytest.raises(CheckpointError, match=r"frame 2 \(kv\): checksum mismatch"):
+        list(dec.feed(bytes(bad), frames.check_ahead(bad)))  # hashed ahead over the corrupt bytes
+    assert frames.check_ahead(head).sums == {}  # the preamble first: no frame head at 0
+    assert len(frames.check_ahead(chunk[:-1]).sums) == 2  # the last frame cut short
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(min_size=0, max_size=64), st.integers(0, 400), st.binary(min_size=1, max_size=4))
 def test_the_in_place_reader_refuses_what_msgpack_refuses(prefix, at, patch):

@@ -473,16 +473,31 @@ def test_the_target_reads_frame_messages_in_place_and_anything_else_as_protobuf(
             read_message(bad)
 
 
-def test_the_kv_goes_on_a_lane_and_stream_only_keeps_it_on_the_stream(pair):
+def test_the_kv_goes_on_a_lane_and_stream_only_keeps_it_on_the_stream(pair, monkeypatch):
     """By default a migration's frames take the target's lane (a socket beside the
-    gRPC stream); ``lane=False`` keeps them on the stream. Both are bit-exact."""
+    gRPC stream); ``lane=False`` keeps them on the stream. Both are bit-exact. On
+    the lane, the lane's reader hashes the KV frames, not the handler that lands them."""
+    import threading
+
+    from kvferry.checkpoint import frames
+
+    hashed: list = []
+    real = frames._body_checksum
+    monkeypatch.setattr(frames, "_body_checksum",
+                        lambda v, kind, body: hashed.append((kind, threading.current_thread().name)) or
+                        real(v, kind, body))
     a, b = pair
     c, s, twin = conversation(a)
     m = s.migrate(to=b.address, mode="raw")
     assert m.transport == "lane" and s.id in b.host.sessions and s.id not in a.host.sessions
+    lane_kv = {name for kind, name in hashed if kind == frames.KV}
+    assert lane_kv and all(name == "kvferry-lane-in" for name in lane_kv), lane_kv
     assert "".join(s.send("more")) == "".join(twin.send("more"))
+    hashed.clear()
     m = s.migrate(to=a.address, mode="raw", lane=False)
     assert m.transport == "stream" and s.id in a.host.sessions and s.id not in b.host.sessions
+    assert {kind for kind, name in hashed} >= {frames.HEADER, frames.KV}
+    assert not any(name == "kvferry-lane-in" for _, name in hashed)  # the handler hashed them itself
     assert "".join(s.send("again")) == "".join(twin.send("again"))
 
 

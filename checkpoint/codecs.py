@@ -28,7 +28,7 @@ import numpy as np
 
 from .blob import DTYPES, FLOATS, check_shape, compress, decompress_capped, field, part
 from .errors import CheckpointError
-from .frames import Gather
+from .bodies import Gather
 from .quant import OUTLIERS, decode_outliers, decode_quantized, decode_symmetric, encode_outliers, encode_symmetric
 
 MODES = ("lossless", "raw", "int8", "int4")

@@ -11,8 +11,8 @@ digest over the heads covers the bodies, their order and their count. Version 1
 (still read) checksummed with xxh64 and digested every byte a second time: on a
 GPU host those two passes were 40 ms of a 178 MB landing's 178 (docs/performance-log.md).
 
-Bodies are msgpack maps (never pickle); bulk payloads inside them are codec
-blobs (see :mod:`checkpoint.codecs`). A writer emits frames as they are ready; a
+Bodies are msgpack maps (never pickle, :mod:`checkpoint.bodies`); bulk payloads
+inside them are codec blobs (see :mod:`checkpoint.codecs`). A writer emits frames as they are ready; a
 reader verifies each frame on arrival, so a checkpoint can be streamed (gRPC)
 and applied incrementally. KV frames carry token ranges, so later tokens can be
 appended to a checkpoint already sent.
@@ -24,9 +24,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterable, Iterator
 
-import msgpack
 import xxhash
 
+from .bodies import MAX_BODY, VIEWS_FROM, body_pieces, packed, unpack, unpack_views
 from .errors import CheckpointError
 
 MAGIC = b"KVFERRY\0"
@@ -34,97 +34,9 @@ FORMAT_VERSION = 2  # written; READS are read
 READS = (1, 2)
 PREAMBLE = struct.Struct("<8sHH")
 FRAME_HEAD = struct.Struct("<BBHIQ")
-MAX_BODY = 256 << 20  # no single frame may declare more than this
 
 HEADER, KV, STATE, GUEST, TRAILER = 1, 2, 3, 4, 255
 KIND_NAMES = {HEADER: "header", KV: "kv", STATE: "state", GUEST: "guest", TRAILER: "trailer"}
-
-_UNPACK_LIMITS = dict(max_bin_len=MAX_BODY, max_str_len=16 << 20, max_array_len=1 << 24,
-                      max_map_len=1 << 16, max_ext_len=0)
-
-
-def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpack(body: bytes, where: str) -> Any:
-    try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
-    except Exception as e:  # msgpack raises many types on hostile input
-        raise CheckpointError(f"{where}: malformed msgpack body ({type(e).__name__})") from None
-
-
-_FIXED = {0xC0: None, 0xC2: False, 0xC3: True}
-_NUMS = {0xCA: ">f", 0xCB: ">d", 0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q",
-         0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
-_SIZED = {0xC4: (1, "bin"), 0xC5: (2, "bin"), 0xC6: (4, "bin"), 0xD9: (1, "str"), 0xDA: (2, "str"),
-          0xDB: (4, "str"), 0xDC: (2, "array"), 0xDD: (4, "array"), 0xDE: (2, "map"), 0xDF: (4, "map")}
-_LIMITS = {"bin": MAX_BODY, "str": 16 << 20, "array": 1 << 24, "map": 1 << 16}
-MAX_DEPTH = 32
-
-
-class _Reader:
-    """msgpack as :func:`unpack` reads it (the same types and limits), but a bin of
-    SPLICE_BYTES or more comes back as a view of ``buf``, not a copy: the KV
-    payloads of a frame received into a buffer are read where they lie."""
-
-    def __init__(self, buf: memoryview):
-        self.buf, self.pos = buf, 0
-
-    def take(self, n: int) -> memoryview:
-        if n > len(self.buf) - self.pos:
-            raise ValueError("truncated")
-        self.pos += n
-        return self.buf[self.pos - n:self.pos]
-
-    def read(self, depth: int = 0) -> Any:
-        if depth > MAX_DEPTH:
-            raise ValueError("nested too deep")
-        b = self.take(1)[0]
-        if b <= 0x7F or b >= 0xE0:
-            return b if b <= 0x7F else b - 0x100
-        if b in _FIXED:
-            return _FIXED[b]
-        if b in _NUMS:
-            fmt = _NUMS[b]
-            return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
-        if 0x80 <= b <= 0x9F:
-            n, kind = b & 0x0F, "map" if b <= 0x8F else "array"
-        elif 0xA0 <= b <= 0xBF:
-            n, kind = b & 0x1F, "str"
-        elif b in _SIZED:
-            width, kind = _SIZED[b]
-            n = int.from_bytes(self.take(width), "big")
-        else:
-            raise ValueError(f"type byte 0x{b:02x}")
-        if n > _LIMITS[kind]:
-            raise ValueError(f"{kind} of {n} over the limit")
-        if kind == "bin":
-            v = self.take(n)
-            return v if n >= SPLICE_BYTES else bytes(v)
-        if kind == "str":
-            return str(self.take(n), "utf-8")
-        if kind == "array":
-            return [self.read(depth + 1) for _ in range(n)]
-        out = {}
-        for _ in range(n):
-            k = self.read(depth + 1)
-            if not isinstance(k, (str, bytes)):
-                raise ValueError("map key not str or bytes")
-            out[k] = self.read(depth + 1)
-        return out
-
-
-def unpack_views(body: memoryview, where: str) -> Any:
-    """:func:`unpack`, large bins as views of ``body`` (valid while it is)."""
-    r = _Reader(body)
-    try:
-        obj = r.read()
-        if r.pos != len(body):
-            raise ValueError("extra bytes")
-        return obj
-    except Exception as e:  # hostile input: any error is a malformed body
-        raise CheckpointError(f"{where}: malformed msgpack body ({type(e).__name__})") from None
 
 
 @dataclass
@@ -149,11 +61,18 @@ def _checksum(version: int) -> Any:
     return xxhash.xxh64() if version == 1 else xxhash.xxh3_64()
 
 
-def _body_checksum(version: int, kind: int, body: memoryview) -> int:
+def frame_checksum(version: int, kind: int, pieces: Iterable) -> int:
+    """The checksum a frame's head holds: of its kind byte, then its body's pieces."""
     h = _checksum(version)
     h.update(bytes([kind]))
-    h.update(body)
+    for p in pieces:
+        h.update(p)
     return h.intdigest()
+
+
+def _body_checksum(version: int, kind: int, body: memoryview) -> int:
+    """:func:`frame_checksum` of a received body (the reader's, apart from the writer's)."""
+    return frame_checksum(version, kind, (body,))
 
 
 @dataclass(frozen=True)
@@ -182,32 +101,6 @@ def check_ahead(chunk: Any, version: int = FORMAT_VERSION) -> Checked:
     return Checked(version, sums)
 
 
-SPLICE_BYTES = 1 << 16  # payloads this large are joined into their frame, not copied into msgpack's buffer
-# A KV body this large is read in place (unpack_views); a smaller one by msgpack's C reader:
-# copying under 1 MiB costs less than walking a live pause's last delta, ~1,300 small
-# parts, in Python (0.06 against 0.9 ms on this CPU, 30 layers).
-VIEWS_FROM = 1 << 20
-
-
-def _bin_head(n: int) -> bytes:
-    """msgpack's bin header for ``n`` bytes (the smallest that fits, as msgpack packs)."""
-    if n < 1 << 8:
-        return b"\xc4" + n.to_bytes(1, "big")
-    if n < 1 << 16:
-        return b"\xc5" + n.to_bytes(2, "big")
-    return b"\xc6" + n.to_bytes(4, "big")
-
-
-class Gather(tuple):
-    """Buffers that pack as one msgpack bin, their concatenation: the contiguous
-    runs of a strided view (a layer's KV read in place from its cache), never
-    joined by the framer."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(memoryview(b).nbytes for b in self)
-
-
 class Parts:
     """A frame as the buffers it is made of (the frame is their concatenation).
     Written with scatter-gather I/O it is never joined: on this 2-core VM each
@@ -226,38 +119,6 @@ class Parts:
         return b"".join(self.buffers)
 
 
-def _pieces(obj: Any, packer: msgpack.Packer, out: list, small: bytearray) -> None:
-    """``obj`` packed as msgpack packs it, as a list of buffers: each large payload by
-    reference (a view is never copied here), the small parts between two of them packed
-    into one buffer (``small``, until the caller flushes it). A buffer each made a live
-    pause's last delta (30 layers in one frame) ~1,350 buffers, each hashed twice."""
-    if isinstance(obj, dict):
-        small += packer.pack_map_header(len(obj))
-        for k, v in obj.items():
-            small += packer.pack(k)
-            _pieces(v, packer, out, small)
-    elif isinstance(obj, Gather):  # before tuple, which it is
-        small += _bin_head(obj.nbytes)
-        _flush(out, small)
-        out += obj
-    elif isinstance(obj, (list, tuple)):
-        small += packer.pack_array_header(len(obj))
-        for v in obj:
-            _pieces(v, packer, out, small)
-    elif isinstance(obj, (bytes, bytearray, memoryview)) and (n := memoryview(obj).nbytes) >= SPLICE_BYTES:
-        small += _bin_head(n)
-        _flush(out, small)
-        out.append(obj)
-    else:
-        small += packer.pack(obj)
-
-
-def _flush(out: list, small: bytearray) -> None:
-    if small:
-        out.append(bytes(small))
-        small.clear()
-
-
 def encode_frame(kind: int, obj: Any) -> bytes:
     # A large payload is copied once, by the join, which lets go of the GIL (past
     # 1 MiB) as the hash does: a generating session's thread runs on meanwhile
@@ -267,11 +128,7 @@ def encode_frame(kind: int, obj: Any) -> bytes:
 
 def encode_frame_parts(kind: int, obj: Any, version: int = FORMAT_VERSION) -> Parts:
     """:func:`encode_frame` as its buffers: each large payload by reference."""
-    pieces: list = []
-    small = bytearray()
-    _pieces(obj, msgpack.Packer(use_bin_type=True), pieces, small)
-    _flush(pieces, small)
-    return _framed(kind, pieces, version)
+    return _framed(kind, body_pieces(obj), version)
 
 
 def encode_frame_packed(kind: int, obj: Any) -> bytes:
@@ -283,13 +140,7 @@ def encode_frame_packed(kind: int, obj: Any) -> bytes:
 
 
 def _packed_parts(kind: int, obj: Any, version: int = FORMAT_VERSION) -> Parts:
-    return _framed(kind, [msgpack.packb(obj, use_bin_type=True, strict_types=True, default=_exact)], version)
-
-
-def _exact(obj: Any) -> Any:
-    if type(obj) is tuple:  # packed as a list, as msgpack packs a tuple without strict_types
-        return list(obj)
-    raise TypeError(f"a {type(obj).__name__} in a packed frame (encode_frame splices views)")
+    return _framed(kind, [packed(obj)], version)
 
 
 def _framed(kind: int, pieces: list, version: int = FORMAT_VERSION) -> Parts:
@@ -297,11 +148,7 @@ def _framed(kind: int, pieces: list, version: int = FORMAT_VERSION) -> Parts:
     if size > MAX_BODY:
         raise CheckpointError(f"{KIND_NAMES.get(kind, kind)} frame of {size} bytes exceeds "
                               f"the {MAX_BODY >> 20} MiB frame limit")
-    h = _checksum(version)
-    h.update(bytes([kind]))
-    for p in pieces:
-        h.update(p)
-    return Parts([FRAME_HEAD.pack(kind, 0, 0, size, h.intdigest()), *pieces])
+    return Parts([FRAME_HEAD.pack(kind, 0, 0, size, frame_checksum(version, kind, pieces)), *pieces])
 
 
 class FrameWriter:

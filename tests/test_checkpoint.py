@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvferry.guests import GUESTS_DIR
-from kvferry.checkpoint import blob, codecs, host_blocks, kv_extract, kv_landing, quant, restore, snapshot
+from kvferry.checkpoint import blob, bodies, codecs, host_blocks, kv_extract, kv_landing, quant, restore, snapshot
 from kvferry.checkpoint.errors import CheckpointError
 from kvferry.checkpoint.frames import HEADER, KV, STATE, TRAILER, Frame, FrameDecoder, FrameWriter, Parts, iter_frames
 from kvferry.host import ModelHost
@@ -762,20 +762,20 @@ def test_a_frame_joins_large_payloads_into_msgpacks_own_bytes():
         return frames.FRAME_HEAD.pack(KV, 0, 0, len(body), xxhash.xxh3_64(bytes([KV]) + body).intdigest()) + body
 
     rng = np.random.default_rng(0)
-    for n in (0, 255, 256, frames.SPLICE_BYTES - 1, frames.SPLICE_BYTES, (1 << 16) + 1, (3 << 19) + 7):
+    for n in (0, 255, 256, bodies.SPLICE_BYTES - 1, bodies.SPLICE_BYTES, (1 << 16) + 1, (3 << 19) + 7):
         u = rng.integers(0, 255, n, dtype=np.uint8)
         for obj in ({"layer": 3, "keys": {"codec": "raw", "parts": [memoryview(u).cast("B")], "meta": {}},
                      "values": [u.tobytes(), b"x", 1.5, None, True, -3, "s" * 300]},
                     [u.tobytes(), (1, 2), {"a": {"b": bytearray(u.tobytes())}}], u.tobytes()):
             frame = frames.encode_frame(KV, obj)
             assert frame == packed(obj), n
-            body = frames.unpack(frame[frames.FRAME_HEAD.size:], "test")
+            body = bodies.unpack(frame[frames.FRAME_HEAD.size:], "test")
             assert body == msgpack.unpackb(msgpack.packb(obj, use_bin_type=True), raw=False)
             assert frames.encode_frame_packed(KV, obj) == frame, n  # msgpack in one call, the same bytes
     with pytest.raises(CheckpointError, match="exceeds the 256 MiB frame limit"):
         frames.encode_frame(KV, [b"\0" * (frames.MAX_BODY + 1)])
     with pytest.raises(TypeError, match="Gather in a packed frame"):
-        frames.encode_frame_packed(KV, {"parts": frames.Gather((b"ab", b"cd"))})
+        frames.encode_frame_packed(KV, {"parts": bodies.Gather((b"ab", b"cd"))})
 
 
 def test_a_frame_of_small_parts_is_one_buffer_and_a_last_delta_is_packed_in_one_call():
@@ -792,7 +792,7 @@ def test_a_frame_of_small_parts_is_one_buffer_and_a_last_delta_is_packed_in_one_
         parts = frames.encode_frame_parts(KV, batch)
         assert len(parts.buffers) == 2, mode  # the head and one body buffer
         assert frames.encode_frame_packed(KV, batch) == bytes(parts), mode
-    big = rng.integers(0, 255, frames.SPLICE_BYTES, dtype=np.uint8)
+    big = rng.integers(0, 255, bodies.SPLICE_BYTES, dtype=np.uint8)
     view = memoryview(big).cast("B")
     parts = frames.encode_frame_parts(KV, {"layer": 1, "keys": {"parts": [view], "meta": {}},
                                            "values": {"parts": [view]}})
@@ -804,7 +804,7 @@ def test_a_frame_of_small_parts_is_one_buffer_and_a_last_delta_is_packed_in_one_
 
 def test_a_frame_in_parts_is_the_joined_frame_and_its_reader_borrows_only_large_payloads():
     """The migration source writes KV frames as their buffers (frames.Parts, a
-    strided KV slice as its runs, frames.Gather), and the target reads them in
+    strided KV slice as its runs, bodies.Gather), and the target reads them in
     place (unpack_views): the bytes, the running digest and what is read back must
     be exactly the joined path's."""
     import msgpack
@@ -816,7 +816,7 @@ def test_a_frame_in_parts_is_the_joined_frame_and_its_reader_borrows_only_large_
     kv = cache[..., 100:1612, :]  # a layer's range read in place: one run a head (1.2 MB)
     assert not kv.flags.c_contiguous
     blob = codecs.encode(kv, "float32", "raw", borrow=True)
-    assert isinstance(blob["parts"][0], frames.Gather) and len(blob["parts"][0]) == 3
+    assert isinstance(blob["parts"][0], bodies.Gather) and len(blob["parts"][0]) == 3
     small = rng.integers(0, 255, 300, dtype=np.uint8).tobytes()
     body = {"layer": 2, "start": 100, "end": 1612, "keys": blob, "values": [small, -7, 2.5, None, True, "é"]}
     joined, split = FrameWriter(), FrameWriter()
@@ -838,7 +838,7 @@ def test_a_frame_in_parts_is_the_joined_frame_and_its_reader_borrows_only_large_
     # a KV body under VIEWS_FROM (a live pause's last delta) goes to msgpack's C reader: no views
     little = {"batch": [{**body, "keys": codecs.encode(kv[..., :40, :], "float32", "raw")}] * 30}
     f = FrameWriter().frame(KV, little)
-    assert len(f) < frames.VIEWS_FROM
+    assert len(f) < bodies.VIEWS_FROM
     dec = FrameDecoder(views=True)
     got = list(dec.feed(head)) + list(dec.feed(f[frames.PREAMBLE.size:]))
     assert not got[1].borrowed and isinstance(got[1].body["batch"][0]["keys"]["parts"][0], bytes)
@@ -889,17 +889,15 @@ def test_the_in_place_reader_refuses_what_msgpack_refuses(prefix, at, patch):
     object, or a one-line CheckpointError."""
     import msgpack
 
-    from kvferry.checkpoint import frames
-
-    good = msgpack.packb({"layer": 1, "keys": {"parts": [b"\1" * frames.SPLICE_BYTES], "shape": [1, 2]},
+    good = msgpack.packb({"layer": 1, "keys": {"parts": [b"\1" * bodies.SPLICE_BYTES], "shape": [1, 2]},
                           "x": [1.5, -2, None, "t", {"n": 300}]}, use_bin_type=True)
     for body in (prefix, good[:at], good[:at] + patch + good[at + len(patch):]):
         try:
-            want = frames.unpack(body, "b")
+            want = bodies.unpack(body, "b")
         except CheckpointError:
             want = CheckpointError
         try:
-            got = frames.unpack_views(memoryview(body), "b")
+            got = bodies.unpack_views(memoryview(body), "b")
         except CheckpointError as e:
             assert "malformed msgpack body" in str(e)
             got = CheckpointError

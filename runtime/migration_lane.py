@@ -31,6 +31,7 @@ import struct
 import threading
 from typing import Any, Callable, Iterator
 
+from .checkpoint import host_blocks
 from .checkpoint.frames import Parts, check_ahead
 from .migration_wire import FrameView
 from .transport import MAX_MESSAGE, TLSConfig
@@ -51,18 +52,20 @@ IOV_BATCH = 512  # buffers one sendmsg takes (Linux allows 1024)
 
 
 class LaneFrame(FrameView):
-    """A frame read from a lane, in a buffer of the lane's pool: the handler gives
-    it back once it has landed the frame (what it keeps, it copied out)."""
+    """A frame read from a lane, in a buffer of the lane's pool or of the host's kept
+    blocks: the handler lets go of it once it has landed the frame (what it keeps,
+    it copied out)."""
 
-    def __init__(self, seq: int, data: memoryview, pool: "queue.SimpleQueue[bytearray]", buf: bytearray):
+    def __init__(self, seq: int, data: memoryview, pool: "queue.SimpleQueue[bytearray]", buf: Any):
         # hashed here, on the lane's thread, while the handler lands the frame before
         super().__init__(seq, data, check_ahead(data))
         self.pool, self.buf = pool, buf
 
     def release(self) -> None:
         self.data.release()
-        if self.pool.qsize() < POOL_BUFFERS:
-            self.pool.put(self.buf)
+        buf, self.buf = self.buf, None  # a kept block is free again once no view of it lives
+        if isinstance(buf, bytearray) and self.pool.qsize() < POOL_BUFFERS:
+            self.pool.put(buf)
 
 
 class LaneBroken:
@@ -241,7 +244,7 @@ class LaneListener:
                 seq, n = RECORD.unpack(head)
                 if n > MAX_MESSAGE:
                     raise ConnectionError(f"a {n}-byte frame, over the {MAX_MESSAGE >> 20} MiB limit")
-                buf = _pooled(pool, n)
+                buf = _room(pool, n)
                 if n and _recv_exact(conn, n, buf) is None:
                     raise ConnectionError("the lane ended inside a record")
                 if not inbox.put(LaneFrame(seq, memoryview(buf)[:n], pool, buf)):
@@ -253,8 +256,13 @@ class LaneListener:
             _shut(conn)
 
 
-def _pooled(pool: "queue.SimpleQueue[bytearray]", n: int) -> bytearray:
-    """A buffer of at least ``n`` bytes: a released one when one is long enough."""
+def _room(pool: "queue.SimpleQueue[bytearray]", n: int) -> Any:
+    """A buffer of at least ``n`` bytes for a frame: on a GPU host from its kept,
+    page-locked blocks, which the landing's copy engine reads without staging;
+    elsewhere a released one of the lane's when one is long enough."""
+    kept = host_blocks.frame(n)
+    if kept is not None:
+        return kept
     for _ in range(pool.qsize()):
         buf = pool.get_nowait()
         if len(buf) >= n:

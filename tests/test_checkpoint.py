@@ -301,10 +301,14 @@ def test_host_blocks_warmed_ahead_are_page_locked_and_then_taken(monkeypatch):
     monkeypatch.setitem(unified._state, "loaded", True)
     blocks = host_blocks.HostBlocks(block=4096, cap=3 * 4096 + 100)
     monkeypatch.setattr(host_blocks, "_blocks", blocks)
+    lane = host_blocks.HostBlocks(block=1024, cap=2048)  # a lane's frames, kept apart
+    monkeypatch.setattr(host_blocks, "_frames", lane)
     host_blocks.warm()
-    assert rt.pinned == [4096] * 3 and len(blocks.blocks) == 3
+    assert rt.pinned == [4096] * 3 + [1024] * 2 and len(blocks.blocks) == 3 and len(lane.blocks) == 2
+    assert host_blocks.frame(1000).base is lane.blocks[0] and host_blocks.frame(1025).base is None
+    rt.pinned.clear()
     held = [blocks.take(4000) for _ in range(3)]
-    assert len(blocks.blocks) == 3 and blocks.fresh == 0 and rt.pinned == [4096] * 3
+    assert len(blocks.blocks) == 3 and blocks.fresh == 0 and rt.pinned == []
     assert blocks.take(10).nbytes == 10 and blocks.fresh == 1
     del held
     monkeypatch.setitem(unified._state, "runtime", None)  # a CPU: nothing to warm

@@ -501,6 +501,43 @@ def test_the_kv_goes_on_a_lane_and_stream_only_keeps_it_on_the_stream(pair, monk
     assert "".join(s.send("again")) == "".join(twin.send("again"))
 
 
+def test_a_gpu_hosts_lane_reads_frames_into_kept_page_locked_blocks(pair, monkeypatch):
+    """Where the copy engine reaches the host (a GPU; a stand-in runtime here), the
+    lane reads each frame into the host's kept frame blocks, page-locked once, which
+    the landing reads without staging; a block serves again once its frame has
+    landed, so a second migration takes no new memory. Bit-exact either way."""
+    import sys
+
+    from fake_cuda import FakeCudaRuntime
+
+    from kvferry.checkpoint import host_blocks, unified
+
+    rt = FakeCudaRuntime()
+    monkeypatch.setitem(unified._state, "runtime", rt)
+    monkeypatch.setitem(unified._state, "loaded", True)
+    kept = host_blocks.HostBlocks(block=1 << 20, cap=8 << 20)
+    monkeypatch.setattr(host_blocks, "_frames", kept)
+    monkeypatch.setattr(host_blocks, "_blocks", host_blocks.HostBlocks(block=1 << 20, cap=8 << 20))
+    a, b = pair
+    c, s, twin = conversation(a)
+    m = s.migrate(to=b.address, mode="raw")
+    assert m.transport == "lane" and s.id in b.host.sessions
+    used = len(kept.blocks)
+    assert used and kept.fresh == 0 and rt.pinned.count(1 << 20) >= used
+    assert "".join(s.send("more")) == "".join(twin.send("more"))
+    assert all(sys.getrefcount(blk) <= 3 for blk in kept.blocks)  # landed: no view of a block lives on
+    for blk in kept.blocks:
+        blk.fill(0)
+    del blk  # a reference of its own would keep the last block taken
+    m = s.migrate(to=a.address, mode="raw")
+    assert m.transport == "lane" and s.id in a.host.sessions
+    assert any(blk.any() for blk in kept.blocks[:used]) and kept.fresh == 0  # the first's blocks, again
+    assert "".join(s.send("again")) == "".join(twin.send("again"))
+    assert all(sys.getrefcount(blk) <= 3 for blk in kept.blocks)
+    monkeypatch.setitem(unified._state, "runtime", None)  # a CPU host: the lane's own buffers
+    assert host_blocks.frame(100) is None
+
+
 def test_a_lane_that_cannot_be_dialled_leaves_the_frames_on_the_stream(pair, monkeypatch):
     """A lane port that refuses (a firewall, say): the source keeps the frames on
     the stream, and the migration completes."""

@@ -249,7 +249,8 @@ def gen_args(sp) -> None:
     sp.add_argument("--guest", help="chat guest .wasm (default: the bundled chat.wasm)")
     sp.add_argument("--max-tokens", type=int, default=SAMPLING.max_tokens)
     sp.add_argument("--seed", type=int, default=SAMPLING.seed)
-    sp.add_argument("--temp", type=float, default=SAMPLING.temperature, help="temperature; 0 = greedy")
+    sp.add_argument("--temp", "--temperature", type=float, default=SAMPLING.temperature,
+                    help="temperature; 0 = greedy")
     sp.add_argument("--top-p", type=float, default=SAMPLING.top_p)
     sp.add_argument("--top-k", type=int, default=SAMPLING.top_k)
     sp.add_argument("--stop", action="append", help="stop string (repeatable, up to 4)")
@@ -327,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_SAMPLING_FLAGS = ("--temp", "--top-p", "--top-k", "--seed", "--max-tokens", "--stop", "--ignore-eos")
+_SAMPLING_FLAGS = ("--temp", "--temperature", "--top-p", "--top-k", "--seed", "--max-tokens", "--stop", "--ignore-eos")
 
 
 class _Stop:

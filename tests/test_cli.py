@@ -321,3 +321,23 @@ def test_an_unknown_model_is_one_line_before_anything_starts():
         r = kvferry(*args, timeout=120)
         assert r.returncode != 0
         assert r.stderr.strip().startswith("kvferry: unknown model 'nope'") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bench_numbers_out_of_range_are_one_line_naming_the_flag():
+    """A bench given a count it cannot run (a negative context once ended in a traceback
+    from the hosts) says so in one line, naming the flag the user gave, before it starts."""
+    for args, want in ((("bench", "migrate", "--contexts", "-5"), "kvferry: --contexts takes token counts"),
+                       (("bench", "migrate", "--contexts", "64", "--generate", "8"), "kvferry: --contexts takes"),
+                       (("bench", "overhead", "--tokens", "0"), "kvferry: --tokens and --rounds must be"),
+                       (("bench", "overhead", "--rounds", "0"), "kvferry: --tokens and --rounds must be")):
+        r = kvferry(*args, timeout=120)
+        assert r.returncode == 2 and r.stderr.strip().startswith(want), (args, r.stderr[-500:])
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_temperature_is_spelled_either_way():
+    """`--temp` as mlx-lm spells it, `--temperature` as vLLM and the OpenAI API do."""
+    from kvferry.cli import build_parser
+
+    for flag in ("--temp", "--temperature"):
+        assert build_parser().parse_args(["generate", "--prompt", "x", flag, "0.5"]).temp == 0.5

@@ -29,6 +29,8 @@ def cmd_bench_cpu(a) -> int:
 def cmd_bench_overhead(a) -> int:
     from .overhead import run
 
+    if a.tokens < 1 or a.rounds < 1:
+        raise KvferryError(f"--tokens and --rounds must be at least 1, not {a.tokens} / {a.rounds}")
     r = run(a.model, a.tokens, a.rounds, speculate=SPECULATE[a.speculate])
     if a.json:
         print_json(r)
@@ -74,6 +76,9 @@ def cmd_bench_migrate(a) -> int:
 
     if a.reps < 1:
         raise KvferryError(f"--reps must be at least 1, not {a.reps}")
+    if min(a.contexts) < 16 or a.generate < 32:
+        raise KvferryError(f"--contexts takes token counts of at least 16 and --generate at least 32, "
+                           f"not {' '.join(map(str, a.contexts))} / {a.generate}")
     if a.rate < 0:
         raise KvferryError(f"--rate must be positive, not {a.rate}")
     r = run(tuple(a.contexts), a.generate, threads=a.threads or None, pin=a.pin, reps=a.reps,

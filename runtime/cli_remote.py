@@ -101,6 +101,11 @@ def cmd_serve(a) -> int:
         print(f"kvferry: session {o['session']}: {o['outcome']} {o['where']} {o['error']}".rstrip(),
               file=sys.stderr, flush=True)
 
+    from .transport import TLSConfig
+
+    for prefix, server in (("tls", True), ("peer_tls", False)):
+        if t := _tls(a, prefix):
+            TLSConfig(**t).check(server)
     if a.http_port is not None and not 0 <= a.http_port <= 65535:
         raise KvferryError(f"--http-port {a.http_port}: must be a port number (0..65535; 0: any free port)")
     if a.drain_timeout <= 0:

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import ray
 
 from . import blas
-from .errors import ConfigError
+from .errors import ConfigError, KvferryError
 from .paths import ensure_token  # noqa: F401  (re-exported: `kvferry serve` and jobs use it)
 
 log = logging.getLogger("kvferry.host")
@@ -253,6 +253,14 @@ def init_ray(address: str | None = None) -> bool:
     return True
 
 
+def _last_error(e: Exception) -> str:
+    """The exception line that ends a failed actor's traceback (``error_msg``), kvferry's
+    own errors by their message alone."""
+    lines = [ln.strip() for ln in str(getattr(e, "error_msg", e)).splitlines() if ln.strip()]
+    name, _, msg = (lines[-1] if lines else str(e)).partition(": ")
+    return msg if msg and name.startswith("kvferry.") else f"{name.rsplit('.', 1)[-1]}: {msg}" if msg else name
+
+
 def start_host(model: str | None, bind: str, token: str | None, *, node_id: str | None = None,
                max_kv_bytes: int | None = None, tokens_file: str | None = None, **server: Any):
     """A SessionHost actor on ``node_id`` (default: this node). ``token`` (the admin
@@ -270,7 +278,10 @@ def start_host(model: str | None, bind: str, token: str | None, *, node_id: str 
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             runtime_env={"env_vars": blas.worker_env()},
         ).remote(model, bind, secret, max_kv_bytes=max_kv_bytes, **server)
-        return actor, ray.get(actor.address.remote())
+        try:
+            return actor, ray.get(actor.address.remote())
+        except ray.exceptions.RayActorError as e:  # its __init__ raised: Ray keeps only the text
+            raise KvferryError(f"the session host did not start: {_last_error(e)}") from None
     finally:
         if secret:  # read by the actor already; gone either way
             Path(secret).unlink(missing_ok=True)

@@ -120,12 +120,15 @@ class HostServer(TurnDriver, MigrationSource, Drainer):
         # grpc.health.v1 for load balancers and probes (no token: it tells only the status)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        if tls is not None and tls.cert:
-            port = self.server.add_secure_port(bind, tls.server_credentials())
-        else:
-            port = self.server.add_insecure_port(bind)
+        try:
+            if tls is not None and tls.cert:
+                port = self.server.add_secure_port(bind, tls.server_credentials())
+            else:
+                port = self.server.add_insecure_port(bind)
+        except RuntimeError:  # newer grpcio raises where older ones answered port 0
+            port = 0
         if port == 0:
-            raise ConfigError(f"cannot bind {bind}")
+            raise ConfigError(f"cannot bind {bind} (an address of this machine, and a port free to take?)")
         if advertise:
             addresses.split(advertise)  # HOST:PORT, or a one-line error
         self.address = advertise or addresses.advertise(h or "127.0.0.1", port, self.peers)

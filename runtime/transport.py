@@ -14,8 +14,8 @@ from typing import Any, NoReturn
 
 import grpc
 
-from .errors import (CODES, ERROR_KEY, AuthError, ForbiddenError, HostDownError, KvferryError, RemoteError,
-                     TooManyCallsError, remote)
+from .errors import (CODES, ERROR_KEY, AuthError, ConfigError, ForbiddenError, HostDownError, KvferryError,
+                     RemoteError, TooManyCallsError, remote)
 
 MAX_MESSAGE = (256 << 20) + (1 << 20)  # a checkpoint frame (checkpoint.frames.MAX_BODY) plus its envelope
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
@@ -33,6 +33,14 @@ class TLSConfig:
     cert: str | None = None  # server (or client) certificate chain, PEM path
     key: str | None = None
     ca: str | None = None  # CA to verify the peer; on a server it makes TLS mutual
+
+    def check(self, server: bool = False) -> None:
+        """One line for a file that cannot be read, or a server certificate without its
+        key, before anything starts (a host would die of it in its actor)."""
+        for path in (self.cert, self.key, self.ca):
+            _read(path)
+        if server and self.cert and not self.key:
+            raise ConfigError(f"{self.cert}: a TLS certificate needs its private key (--tls-key)")
 
     def server_credentials(self) -> grpc.ServerCredentials:
         pair = [(_read(self.key), _read(self.cert))]
@@ -63,8 +71,11 @@ class TLSConfig:
 def _read(path: str | None) -> bytes | None:
     if path is None:
         return None
-    with open(path, "rb") as f:
-        return f.read()
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the TLS file ({e.strerror or e})") from None
 
 
 def is_loopback(host: str) -> bool:

@@ -341,3 +341,36 @@ def test_temperature_is_spelled_either_way():
 
     for flag in ("--temp", "--temperature"):
         assert build_parser().parse_args(["generate", "--prompt", "x", flag, "0.5"]).temp == 0.5
+
+
+def test_serve_refuses_tls_files_and_an_address_it_cannot_use_in_one_line(tmp_path, tiny_model):
+    """A TLS file that cannot be read, a certificate without its key, and an address not
+    this machine's: one line each, never the host actor's traceback (both once were)."""
+    import pytest
+
+    from kvferry.cluster import _last_error
+    from kvferry.errors import ConfigError
+    from kvferry.host import ModelHost
+    from kvferry.server import HostServer
+
+    key = tmp_path / "key.pem"
+    key.write_text("not a key")
+    for args, want in ((("--tls-cert", "/nonexistent.pem", "--tls-key", str(key)),
+                        "kvferry: /nonexistent.pem: cannot read the TLS file (No such file or directory)"),
+                       (("--tls-cert", str(key)), f"kvferry: {key}: a TLS certificate needs its private key")):
+        r = kvferry("serve", "--port", "0", *args, env={"KVFERRY_TOKEN": "t"}, timeout=60)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [want + (" (--tls-key)" if "needs" in want
+                                                                              else "")], r.stderr[-800:]
+    host = ModelHost(str(tiny_model), progress=False)
+    try:
+        with pytest.raises(ConfigError, match=r"^cannot bind 198\.51\.100\.7:0 "):
+            HostServer(host, "198.51.100.7:0", token="t")  # TEST-NET-2: on no interface here
+    finally:
+        host.close()
+
+    class ActorDied(Exception):  # what Ray keeps of an actor's failed __init__: its text
+        error_msg = ("The actor died because of an error raised in its creation task\n  File \"server.py\"\n"
+                     "kvferry.errors.ConfigError: cannot bind 198.51.100.7:0 (an address of this machine?)\n")
+    assert _last_error(ActorDied()) == "cannot bind 198.51.100.7:0 (an address of this machine?)"
+    ActorDied.error_msg = "Traceback\nFileNotFoundError: [Errno 2] No such file"
+    assert _last_error(ActorDied()) == "FileNotFoundError: [Errno 2] No such file"

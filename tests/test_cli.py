@@ -329,7 +329,9 @@ def test_bench_numbers_out_of_range_are_one_line_naming_the_flag():
     for args, want in ((("bench", "migrate", "--contexts", "-5"), "kvferry: --contexts takes token counts"),
                        (("bench", "migrate", "--contexts", "64", "--generate", "8"), "kvferry: --contexts takes"),
                        (("bench", "overhead", "--tokens", "0"), "kvferry: --tokens and --rounds must be"),
-                       (("bench", "overhead", "--rounds", "0"), "kvferry: --tokens and --rounds must be")):
+                       (("bench", "overhead", "--rounds", "0"), "kvferry: --tokens and --rounds must be"),
+                       (("bench", "zero-copy", "--n", "300"), "kvferry: --n must be in 1..256"),
+                       (("bench", "checkpoint", "--contexts", "0"), "kvferry: --windows must be at least 1 and")):
         r = kvferry(*args, timeout=120)
         assert r.returncode == 2 and r.stderr.strip().startswith(want), (args, r.stderr[-500:])
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr

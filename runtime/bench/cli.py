@@ -44,8 +44,9 @@ def cmd_bench_overhead(a) -> int:
 def cmd_bench_checkpoint(a) -> int:
     from .checkpoint import run
 
-    if a.windows < 1:
-        raise KvferryError(f"--windows must be at least 1, not {a.windows}")
+    if a.windows < 1 or min(a.contexts) < 8:
+        raise KvferryError(f"--windows must be at least 1 and --contexts at least 8 tokens each, "
+                           f"not {a.windows} / {' '.join(map(str, a.contexts))}")
     r = run(a.model, tuple(a.contexts), windows=a.windows)
     if a.json:
         print_json(r)
@@ -108,6 +109,8 @@ def cmd_bench_shape(a) -> int:
 def cmd_bench_zero_copy(a) -> int:
     from .zero_copy import run, table
 
+    if not 1 <= a.n <= 256 or a.reps < 1:  # the gemm guest holds matrices of up to 256 x 256
+        raise KvferryError(f"--n must be in 1..256 and --reps at least 1, not {a.n} / {a.reps}")
     r = run(a.n, a.reps)
     print(json.dumps(r, indent=2) if a.json else table(r))
     return 0
@@ -296,7 +299,7 @@ def register(sub, add: Callable) -> None:
     bh.add_argument("--json", action="store_true")
     bz = add(b, "zero-copy", cmd_bench_zero_copy,
              "guest memory exposed to MLX in place vs copied (the seed's table)")
-    bz.add_argument("--n", type=int, default=128, help="GEMM size (n x n)")
+    bz.add_argument("--n", type=int, default=128, help="GEMM size (n x n, up to 256)")
     bz.add_argument("--reps", type=int, default=100, help="GEMM repetitions per path (median)")
     bz.add_argument("--json", action="store_true")
     bl = add(b, "link", cmd_bench_link, "migration mode auto vs each fixed mode on tc-shaped links (needs root)")

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -309,11 +309,20 @@ def _register_local(sub, add: Callable) -> None:
     gc.add_argument("file")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Flags spelled out in full, in every subcommand (its parsers are of this class):
+    argparse's prefixes made ``kvferry drain --to HOST`` mean ``--token HOST``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import cli_remote
     from .bench import cli as bench_cli
 
-    p = argparse.ArgumentParser(prog="kvferry", description="Movable LLM conversations on MLX.")
+    p = _Parser(prog="kvferry", description="Movable LLM conversations on MLX.")
     p.add_argument("--version", action="version", version=f"kvferry {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 

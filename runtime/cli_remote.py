@@ -159,22 +159,23 @@ def cmd_hosts(a) -> int:
 def cmd_migrate(a) -> int:
     from tqdm import tqdm
 
+    if a.rate < 0:
+        raise KvferryError(f"--rate must be positive, not {a.rate}")
     c = _client(a)
     s = c.session(a.session)
     bar = tqdm(total=None, unit="B", unit_scale=True, desc=f"migrate {a.session}", disable=a.json,
                leave=False)
 
     def progress(p):
-        bar.total = bar.total or None
         bar.n = p.bytes_sent
         bar.set_postfix_str(f"frames {p.frames_sent}/{p.frames_total}")
         bar.refresh()
 
-    if a.rate < 0:
-        raise KvferryError(f"--rate must be positive, not {a.rate}")
-    m = s.migrate(a.to, to_token=a.to_token, mode=a.mode, live=not a.stop_copy, rate_mb_s=a.rate,
-                  allow_lossy=a.allow_lossy, lane=not a.no_lane, progress=progress)
-    bar.close()
+    try:
+        m = s.migrate(a.to, to_token=a.to_token, mode=a.mode, live=not a.stop_copy, rate_mb_s=a.rate,
+                      allow_lossy=a.allow_lossy, lane=not a.no_lane, progress=progress)
+    finally:
+        bar.close()  # cleared, so that an error is a line of its own
     out = {"session": a.session, "target": m.target, "bytes": m.bytes, "seconds": round(m.seconds, 4),
            "raw_kv_bytes": m.raw_kv_bytes, "ratio": round(m.ratio, 3), "tokens": m.tokens,
            "pause_ms": round(m.pause_ms, 2), "live": not a.stop_copy, "mode": m.mode,

@@ -376,3 +376,16 @@ def test_serve_refuses_tls_files_and_an_address_it_cannot_use_in_one_line(tmp_pa
     assert _last_error(ActorDied()) == "cannot bind 198.51.100.7:0 (an address of this machine?)"
     ActorDied.error_msg = "Traceback\nFileNotFoundError: [Errno 2] No such file"
     assert _last_error(ActorDied()) == "FileNotFoundError: [Errno 2] No such file"
+
+
+def test_a_flag_is_never_taken_for_a_longer_one(capsys):
+    """argparse's prefixes once made `kvferry drain --to HOST` mean --token HOST (then
+    "auth failed"); a flag must be spelled out, in every subcommand."""
+    import pytest
+
+    from kvferry.cli import build_parser
+
+    for argv in (["drain", "--to", "h:1"], ["generate", "--prompt", "x", "--max", "3"], ["bench", "serve", "--sess", "1"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        assert "unrecognized arguments: " + argv[-2] in capsys.readouterr().err

@@ -168,7 +168,9 @@ class HttpFront:
                 raise oa.bad("the request body is not valid JSON") from None
             h = self.srv.host
             req = oa.parse(body, chat, h.policy.max_tokens)
-            if req.model not in (h.lm.name, str(h.lm.path)):
+            if not req.model:
+                req.model = h.lm.name
+            elif req.model not in (h.lm.name, str(h.lm.path)):
                 raise oa.HttpError(404, f"the model '{req.model}' does not exist on this host (it serves "
                                    f"'{h.lm.name}')", "invalid_request_error", "model", "model_not_found")
             self.srv.refuse_if_draining()

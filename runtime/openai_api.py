@@ -47,7 +47,7 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> Http
 @dataclass
 class Request:
     """A checked /v1/chat/completions or /v1/completions request."""
-    model: str
+    model: str  # "" where the request names none: the host's one model, as vLLM and llama.cpp take it
     messages: list[dict] = field(default_factory=list)  # chat
     prompt: str = ""  # completions
     stream: bool = False
@@ -95,9 +95,9 @@ def parse(body: Any, chat: bool, max_tokens_limit: int) -> Request:
             raise bad(f"'{name}' = {body[name]!r} is not supported by kvferry (only {neutral!r})", name,
                       "unsupported_parameter")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("'model' is required (GET /v1/models lists it)", "model")
-    req = Request(model=model, stream=bool(body.get("stream", False)))
+    if model is not None and (not isinstance(model, str) or not model):
+        raise bad("'model' must be a model's name (GET /v1/models lists it)", "model")
+    req = Request(model=model or "", stream=bool(body.get("stream", False)))
     if not isinstance(body.get("stream", False), bool):
         raise bad("'stream' must be true or false", "stream")
     opts = body.get("stream_options")

@@ -73,6 +73,11 @@ def test_bad_keys_and_values_get_openai_errors(hosts, oai):
         assert e.value.body["param"] == param and param in e.value.body["message"]
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         oai.chat.completions.create(model="gpt-4o", messages=ask("hi"))
+    url, auth = http_of(hosts[0]) + "/chat/completions", {"Authorization": f"Bearer {TOKEN}"}
+    r = requests.post(url, json={"messages": ask("hi"), "max_tokens": 2}, headers=auth, timeout=120)
+    assert r.status_code == 200 and r.json()["model"] == MODEL, r.text  # no model named: the host's one
+    r = requests.post(url, json={"model": 5, "messages": ask("hi")}, headers=auth, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
     r = requests.post(http_of(hosts[0]) + "/chat/completions", data=b"{not json",
                       headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is not valid JSON"

@@ -49,6 +49,7 @@ def _ranges(xs: list[int]) -> str:
 def cmd_serve(a) -> int:
     from .cluster import serve
     from .paths import ensure_token
+    from .transport import TLSConfig
 
     from .addresses import split
 
@@ -100,8 +101,6 @@ def cmd_serve(a) -> int:
     def report(o: dict) -> None:
         print(f"kvferry: session {o['session']}: {o['outcome']} {o['where']} {o['error']}".rstrip(),
               file=sys.stderr, flush=True)
-
-    from .transport import TLSConfig
 
     for prefix, server in (("tls", True), ("peer_tls", False)):
         if t := _tls(a, prefix):

@@ -17,7 +17,7 @@ import grpc
 from .errors import (CODES, ERROR_KEY, AuthError, ConfigError, ForbiddenError, HostDownError, KvferryError,
                      RemoteError, TooManyCallsError, remote)
 
-MAX_MESSAGE = (256 << 20) + (1 << 20)  # a checkpoint frame (checkpoint.frames.MAX_BODY) plus its envelope
+MAX_MESSAGE = (256 << 20) + (1 << 20)  # a checkpoint frame (checkpoint.bodies.MAX_BODY) plus its envelope
 HEALTH_SERVICE = "/grpc.health.v1.Health/"
 MIGRATION_SERVICE = "/kvferry.v1.Migration/"
 

@@ -129,6 +129,11 @@ def _stats_line(st) -> str:
 def cmd_generate(a) -> int:
     from dataclasses import asdict
 
+    if a.save:  # before the reply is generated, which a path that cannot be written would lose
+        where = os.path.dirname(os.path.abspath(a.save))
+        if os.path.isdir(a.save) or not os.path.isdir(where) or not os.access(where, os.W_OK):
+            raise KvferryError(f"--save {a.save}: not a file that can be written "
+                               f"({'a directory' if os.path.isdir(a.save) else f'no writable directory {where}'})")
     host, sampling, options = _host(a)
     if a.resume:
         expect = host.guest_module(a.guest).sha256 if a.guest else None

@@ -753,6 +753,25 @@ def test_save_never_writes_through_a_planted_symlink(host, tmp_path):
     assert victim.read_bytes() == b"precious" and path.read_bytes()[:4] != b"prec"
 
 
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_the_session_lives_on(host, tmp_path):
+    """A missing directory, or a directory where the file should go: one CheckpointError
+    naming the path (an OSError's traceback before), no file left behind, and the
+    session still there to save elsewhere; `generate --save` says so before it generates."""
+    s = host.create_session(sampling=SamplingParams(max_tokens=2))
+    try:
+        list(s.complete([5, 6, 7]))
+        for bad, why in ((tmp_path / "no" / "c.kvf", "No such file or directory"), (tmp_path, "Is a directory")):
+            with pytest.raises(CheckpointError, match=f"^{bad}: cannot write .*\\({why}\\)$"):
+                snapshot.save(s, bad)
+        assert list(tmp_path.iterdir()) == []
+        assert snapshot.save(s, tmp_path / "c.kvf")["bytes"] > 0
+    finally:
+        host.close_session(s.id)
+    r = kvferry("generate", "--prompt", "hi", "--save", str(tmp_path / "no" / "c.kvf"))
+    assert r.returncode == 2 and r.stderr.strip() == (f"kvferry: --save {tmp_path / 'no' / 'c.kvf'}: not a file "
+                                                      f"that can be written (no writable directory {tmp_path / 'no'})")
+
+
 def test_a_frame_joins_large_payloads_into_msgpacks_own_bytes():
     """encode_frame splices payloads past SPLICE_BYTES in by reference; the frame
     must be byte for byte what msgpack packs (old checkpoints and readers agree)."""

@@ -12,9 +12,9 @@ digest over the heads covers the bodies, their order and their count. Version 1
 GPU host those two passes were 40 ms of a 178 MB landing's 178 (docs/performance-log.md).
 
 Bodies are msgpack maps (never pickle, :mod:`checkpoint.bodies`); bulk payloads
-inside them are codec blobs (see :mod:`checkpoint.codecs`). A writer emits frames as they are ready; a
-reader verifies each frame on arrival, so a checkpoint can be streamed (gRPC)
-and applied incrementally. KV frames carry token ranges, so later tokens can be
+inside them are codec blobs (see :mod:`checkpoint.codecs`). A writer emits frames
+as they are ready; a reader verifies each frame on arrival, so a checkpoint can be
+streamed (gRPC) and applied incrementally. KV frames carry token ranges, so later tokens can be
 appended to a checkpoint already sent.
 """
 

@@ -362,19 +362,17 @@ def save(session: Any, path: str | os.PathLike, mode: str = "lossless") -> dict:
     # else placed there, such as a symlink; then an atomic rename over the target
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(os.path.abspath(path)))
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot write a checkpoint there ({e.strerror or e})") from None
-    try:
-        with os.fdopen(fd, "wb") as f, _still(session):
-            sn = Snapshotter(session, mode)
-            f.write(sn.header())
-            for chunk in sn.finish():
-                f.write(chunk)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):  # a full disk, a directory at the path: the session itself is untouched
-            raise CheckpointError(f"{path}: cannot write the checkpoint ({e.strerror or e})") from None
-        raise
+        try:
+            with os.fdopen(fd, "wb") as f, _still(session):
+                sn = Snapshotter(session, mode)
+                f.write(sn.header())
+                for chunk in sn.finish():
+                    f.write(chunk)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as e:  # no directory, a directory at the path, a full disk: the session is untouched
+        raise CheckpointError(f"{path}: cannot write the checkpoint ({e.strerror or e})") from None
     return {"bytes": sn.w.bytes, "raw_kv_bytes": sn.raw_kv_bytes, "frames": sn.w.count + 1}

@@ -258,7 +258,11 @@ def _last_error(e: Exception) -> str:
     own errors by their message alone."""
     lines = [ln.strip() for ln in str(getattr(e, "error_msg", e)).splitlines() if ln.strip()]
     name, _, msg = (lines[-1] if lines else str(e)).partition(": ")
-    return msg if msg and name.startswith("kvferry.") else f"{name.rsplit('.', 1)[-1]}: {msg}" if msg else name
+    if not msg:
+        return name
+    if name.startswith("kvferry."):
+        return msg
+    return f"{name.rsplit('.', 1)[-1]}: {msg}"
 
 
 def start_host(model: str | None, bind: str, token: str | None, *, node_id: str | None = None,
